@@ -1,0 +1,52 @@
+"""``python -m bench [NAME ...]``: run the benchmarks (all by default).
+
+Each writes ``bench/results/<name>.json`` (format: :mod:`bench.results_format`) and
+prints a short summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from bench import admission, drain_lag
+from bench.results_format import RESULTS_DIR, Result, summary, write_result
+
+BENCHMARKS: dict[str, tuple[Callable[[], Result], Sequence[str]]] = {
+    drain_lag.NAME: (drain_lag.run, drain_lag.HEADLINE),
+    admission.NAME: (admission.run, admission.HEADLINE),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"benchmarks to run (default: all): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(BENCHMARKS))
+        return 0
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(unknown)}; "
+                     f"choose from {', '.join(BENCHMARKS)}")
+    for name in args.names or list(BENCHMARKS):
+        benchmark, headline = BENCHMARKS[name]
+        print(f"running {name} ...", flush=True)
+        started = time.monotonic()
+        result = benchmark()
+        path = write_result(result, RESULTS_DIR)
+        print(summary(result, headline))
+        for note in result.notes:
+            if note.startswith("Target"):
+                print(f"  {note}")
+        print(f"  ({time.monotonic() - started:.1f}s; all metrics in "
+              f"{path.relative_to(RESULTS_DIR.parent.parent)})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

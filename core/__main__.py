@@ -1,0 +1,5 @@
+import sys
+
+from quiesce.cli import main
+
+sys.exit(main())

@@ -1,0 +1,621 @@
+"""The ``quiesce`` command line.
+
+``quiesce demo`` replays the field report's scale-down under two policies. Exit
+codes: 0 success, 1 the demo's quiesce policy lost a request, 2 bad arguments.
+
+``quiesce serve`` runs the reference worker (:mod:`quiesce.worker`; its exit codes
+are the shutdown report's).
+
+The operator commands talk to a running worker's admin API (:mod:`quiesce.server`)
+through :class:`quiesce.admin_client.AdminClient`:
+
+- ``quiesce status [--json]``: state, generation, in-flight, pending work, drain progress;
+- ``quiesce drain [--budget S] [--wait [--wait-timeout S]] [--json]``: start a drain and,
+  with ``--wait``, follow it on stderr until the worker is drained;
+- ``quiesce resume [--json]``: back to serving;
+- ``quiesce prestop [--grace-period S] [--margin S]``: the Kubernetes preStop hook.
+
+Common options: ``--url`` (else ``$QUIESCE_ADMIN_URL``, else ``http://127.0.0.1:8001``),
+``--token-file`` (else ``$QUIESCE_ADMIN_TOKEN``), ``--timeout`` (per HTTP call).
+
+Exit codes of the operator commands:
+
+=== ==========================================================================
+0   ok (``drain --wait`` and ``prestop``: the worker is drained)
+1   the operation did not succeed: not drained in time, invalid transition (409),
+    resume failed (503), or another error answer from the worker
+2   usage: bad arguments or configuration, no request sent (or the worker
+    rejected the request as invalid, changing nothing)
+3   the worker's admin API is unreachable
+4   unauthorized: missing or wrong bearer token
+5   an HTTP call timed out
+130 ``drain --wait`` interrupted (Ctrl-C); the drain goes on in the worker
+=== ==========================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TextIO
+
+from quiesce.demo import DemoConfig
+from quiesce.demo import main as demo_main
+from quiesce.errors import ConfigError
+
+if TYPE_CHECKING:
+    from quiesce.admin_client import AdminClient
+
+
+def _demo(args: argparse.Namespace) -> int:
+    try:
+        config = DemoConfig(
+            workers=args.workers, seed=args.seed, time_scale=args.time_scale,
+            never_pulled=args.never_pulled, scale_down_at_s=args.scale_down_at,
+            discovery_lag_s=args.discovery_lag, router_grace_s=args.router_grace,
+            shutdown_budget_s=args.budget)
+    except ConfigError as exc:
+        print(f"quiesce demo: invalid option {exc}", file=sys.stderr)
+        return 2
+    return demo_main(config, as_json=args.json, quiet=args.quiet)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quiesce",
+        description="Let an LLM inference worker leave service without losing a request.",
+        epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    defaults = DemoConfig()
+    demo = commands.add_parser(
+        "demo", help="replay the field report's scale-down: fixed grace vs quiesce",
+        description="Replay a two-phase load (8 req/s, then 0.2 req/s) against simulated "
+                    "workers and scale one down mid-load under the fixed-grace policy and "
+                    "under quiesce. All times are simulated seconds.")
+    demo.add_argument("--json", action="store_true", help="print one JSON object")
+    demo.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    demo.add_argument("--seed", type=int, default=defaults.seed, help="workload seed (%(default)s)")
+    demo.add_argument("--workers", type=int, default=defaults.workers,
+                      help="number of workers (%(default)s)")
+    demo.add_argument("--time-scale", type=float, default=defaults.time_scale,
+                      help="wall seconds per simulated second (%(default)s)")
+    demo.add_argument("--never-pulled", type=int, default=defaults.never_pulled,
+                      help="disaggregated requests whose KV the decoder never pulls "
+                           "(quiesce then ends at its budget, forced)")
+    demo.add_argument("--scale-down-at", type=float, default=defaults.scale_down_at_s,
+                      help="when the worker is scaled down, simulated s (%(default)s)")
+    demo.add_argument("--discovery-lag", type=float, default=defaults.discovery_lag_s,
+                      help="how late the dispatcher sees an unregistration, s (%(default)s)")
+    demo.add_argument("--router-grace", type=float, default=defaults.router_grace_s,
+                      help="quiesce's router grace after unregistering, s (%(default)s)")
+    demo.add_argument("--budget", type=float, default=defaults.shutdown_budget_s,
+                      help="quiesce's shutdown budget, s (%(default)s)")
+    demo.set_defaults(handler=_demo)
+
+    serve = commands.add_parser(
+        "serve", help="run the reference worker (needs quiesce[server])",
+        description="Serve an OpenAI-compatible /v1/completions in front of an engine, with "
+                    "the admin API on its own port; SIGTERM drains on one budget.")
+    _add_serve_arguments(serve)
+    serve.set_defaults(handler=_serve)
+
+    _add_operator_commands(commands)
+    return parser
+
+
+def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    try:
+        from quiesce.worker import add_serve_arguments  # noqa: PLC0415 (optional extra)
+    except ImportError:  # the server extra is missing; `serve` says so when run
+        return
+    add_serve_arguments(parser)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        from quiesce.worker import serve_main  # noqa: PLC0415 (optional extra)
+    except ImportError as exc:
+        print(f"quiesce serve needs the server extra: pip install 'quiesce[server]' ({exc})",
+              file=sys.stderr)
+        return 2
+    return serve_main(args)
+
+
+# -- operator commands: status, drain, resume, prestop ---------------------------------
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+EXIT_UNAUTHORIZED = 4
+EXIT_TIMED_OUT = 5
+EXIT_INTERRUPTED = 130
+
+URL_ENV = "QUIESCE_ADMIN_URL"
+TOKEN_ENV = "QUIESCE_ADMIN_TOKEN"
+GRACE_ENV = "QUIESCE_GRACE_PERIOD_S"
+DEFAULT_URL = "http://127.0.0.1:8001"
+HTTP_TIMEOUT_S = 10.0
+DEFAULT_GRACE_S = 30.0
+DEFAULT_MARGIN_S = 5.0
+MAX_SECONDS = 86_400.0
+"""Largest budget or wait the admin API accepts (one day)."""
+POLL_INTERVAL_S = 0.2
+"""How often ``drain --wait`` and ``prestop`` read the worker's status."""
+WAIT_SLACK_S = 2.0
+"""``drain --wait`` with a budget: how long past the budget to wait for the worker's verdict."""
+PLAIN_PROGRESS_INTERVAL_S = 1.0
+
+EXIT_CODES_EPILOG = """\
+exit codes of status, drain, resume and prestop:
+  0    ok (drain --wait, prestop: the worker is drained)
+  1    the operation did not succeed: not drained in time, invalid transition
+       (409), resume failed (503), or another error answer from the worker
+  2    usage: bad arguments or configuration (no request sent)
+  3    the worker's admin API is unreachable
+  4    unauthorized: missing or wrong bearer token
+  5    an HTTP call timed out
+  130  drain --wait interrupted (the drain goes on in the worker)"""
+
+
+class _UsageError(Exception):
+    """A bad argument found after parsing (environment, combinations); exit 2, nothing sent."""
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a positive, finite number of seconds, at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0 or value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of seconds up to {MAX_SECONDS:g}, got {text!r}")
+    return value
+
+
+def _margin_seconds(text: str) -> float:
+    """argparse type: zero or a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0 or value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text!r}")
+    return value
+
+
+def _add_operator_commands(commands: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    connection = common.add_argument_group("connection to the worker's admin API")
+    connection.add_argument(
+        "--url", default=None,
+        help=f"admin API URL (else ${URL_ENV}, else {DEFAULT_URL})")
+    connection.add_argument(
+        "--token-file", default=None,
+        help=f"file holding the bearer token (else ${TOKEN_ENV}, else none)")
+    connection.add_argument(
+        "--timeout", type=_seconds, default=HTTP_TIMEOUT_S, metavar="S",
+        help="limit of each HTTP call, s (%(default)s)")
+
+    def add(name: str, help_text: str, description: str) -> argparse.ArgumentParser:
+        paragraphs = description.split("\n\n")
+        text = "\n\n".join(p if p.startswith(" ") else textwrap.fill(p, 79)
+                           for p in paragraphs)
+        sub: argparse.ArgumentParser = commands.add_parser(
+            name, parents=[common], help=help_text, description=text,
+            epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        return sub
+
+    status = add("status", "show a worker's state, in-flight requests and pending work",
+                 "Read GET /engine/status: state, generation, in-flight requests, pending "
+                 "work (verdict, counters, why it is unknown), discovery registration, time "
+                 "in state, last error and drain progress. Only state 'drained' means the "
+                 "worker is safe to delete.")
+    status.add_argument("--json", action="store_true", help="print the status JSON")
+    status.set_defaults(handler=_operator(_run_status))
+
+    drain = add("drain", "start a drain; --wait follows it until the worker is drained",
+                "Start (or join) a drain: unregister, router grace, close admission, wait for "
+                "admitted requests and engine work to reach zero, then publish 'drained'. "
+                "The drain runs in the worker: leaving (or Ctrl-C) does not stop it; "
+                "'quiesce resume' does. With --wait, progress is shown on stderr and the "
+                "command exits 0 once the worker is drained, 1 if the drain's budget (or "
+                "--wait-timeout) ends first, saying why.")
+    drain.add_argument("--budget", type=_seconds, default=None, metavar="S",
+                       help="bound of the drain in seconds (default: the worker's, or none)")
+    drain.add_argument("--wait", action="store_true",
+                       help="follow the drain until drained (or its budget ends)")
+    drain.add_argument("--wait-timeout", type=_seconds, default=None, metavar="S",
+                       help="with --wait: stop waiting after S seconds (default: the drain's "
+                            f"budget plus {WAIT_SLACK_S:g}s, or no limit without a budget)")
+    drain.add_argument("--json", action="store_true", help="print the final status JSON")
+    drain.set_defaults(handler=_operator(_run_drain))
+
+    resume = add("resume", "return a draining or drained worker to serving",
+                 "Cancel any drain run, open admission and re-register with discovery. "
+                 "Fails (exit 1) while the worker is stopping (409) or if re-registration "
+                 "failed (503: the worker closed admission and is draining again).")
+    resume.add_argument("--json", action="store_true", help="print the status JSON")
+    resume.set_defaults(handler=_operator(_run_resume))
+
+    prestop = add(
+        "prestop", "Kubernetes preStop hook: drain within the pod's grace period",
+        "Drain the worker within the pod's termination grace period, minus a margin, and "
+        "wait for it, printing progress lines. Kubernetes does not tell the container its "
+        f"terminationGracePeriodSeconds, so pass it: --grace-period or ${GRACE_ENV} (set it "
+        "in the manifest to the same value). The hook's time counts against the grace "
+        "period. Exit 0 when drained, 1 otherwise; the kubelet ignores a hook's exit code "
+        "and then sends SIGTERM, which runs the worker's own budgeted shutdown (it drains "
+        "what is left, or aborts it at its budget). A drain already in progress is joined "
+        "(its own budget is kept); prestop still waits at most grace period - margin.\n\n"
+        "  terminationGracePeriodSeconds: 60\n"
+        "  containers:\n"
+        "  - env:\n"
+        "    - {name: QUIESCE_GRACE_PERIOD_S, value: \"60\"}\n"
+        "    lifecycle:\n"
+        "      preStop:\n"
+        "        exec: {command: [\"quiesce\", \"prestop\"]}")
+    prestop.add_argument("--grace-period", type=_seconds, default=None, metavar="S",
+                         help=f"the pod's terminationGracePeriodSeconds (else ${GRACE_ENV}, "
+                              f"else {DEFAULT_GRACE_S:g})")
+    prestop.add_argument("--margin", type=_margin_seconds, default=DEFAULT_MARGIN_S,
+                         metavar="S", help="left for the SIGTERM shutdown, s (%(default)s)")
+    prestop.set_defaults(handler=_operator(_run_prestop))
+
+
+Operation = Callable[[argparse.Namespace, "AdminClient"], int]
+
+
+def _error(args: argparse.Namespace, message: str) -> None:
+    print(f"quiesce {args.command}: {message}", file=sys.stderr)
+
+
+def _exit_code(exc: Exception) -> int:
+    from quiesce import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
+
+    if isinstance(exc, ac.AdminError):
+        # the worker judged the request itself invalid: a usage error, nothing changed
+        return EXIT_USAGE if exc.status in (400, 413, 422) else EXIT_FAILED
+    codes: tuple[tuple[type[Exception], int], ...] = (
+        (_UsageError, EXIT_USAGE), (ac.ClientConfigError, EXIT_USAGE),
+        (ac.Unauthorized, EXIT_UNAUTHORIZED), (ac.WorkerUnreachable, EXIT_UNREACHABLE),
+        (ac.RequestTimedOut, EXIT_TIMED_OUT))
+    return next((code for kind, code in codes if isinstance(exc, kind)), EXIT_FAILED)
+
+
+def _operator(operation: Operation) -> Callable[[argparse.Namespace], int]:
+    """Run ``operation`` with a client; map every failure to one stderr line and an exit code."""
+
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            from quiesce import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
+        except ImportError as exc:
+            _error(args, f"needs httpx: pip install 'quiesce[server]' ({exc})")
+            return EXIT_USAGE
+        try:
+            url = ac.resolve_url(args.url)
+            token = ac.resolve_token(args.token_file)
+            with ac.AdminClient(url, token, args.timeout) as client:
+                return operation(args, client)
+        except (_UsageError, ac.AdminClientError) as exc:
+            _error(args, str(exc))
+            return _exit_code(exc)
+        except KeyboardInterrupt:
+            _error(args, "interrupted; a drain already started goes on in the worker "
+                         "('quiesce resume' cancels it)")
+            return EXIT_INTERRUPTED
+
+    return handler
+
+
+# -- formatting ---------------------------------------------------------------------
+
+def _num(value: object) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "?"
+    return f"{value:.1f}s"
+
+
+def _counters(pending: dict[str, Any]) -> list[tuple[str, object]]:
+    names = ("waiting", "running", "kv_sends_held", "kv_recvs_awaited")
+    out: list[tuple[str, object]] = [(name, pending.get(name)) for name in names]
+    queues = pending.get("queues")
+    if isinstance(queues, dict):
+        out += sorted(queues.items())
+    return out
+
+
+def _pending_line(pending: dict[str, Any] | None) -> str:
+    """``busy, 3 in total (waiting 0, running 3, ...) from sim.engine``."""
+    if not pending:
+        return "not read"
+    counters = ", ".join(f"{name} {'?' if value is None else value}"
+                         for name, value in _counters(pending))
+    total = pending.get("total")
+    total_text = "total unknown" if total is None else f"{total} in total"
+    text = f"{pending.get('verdict', '?')}, {total_text} ({counters})"
+    if pending.get("engine_has_work") is not None:
+        text += f", engine_has_work {str(pending['engine_has_work']).lower()}"
+    if pending.get("source"):
+        text += f" from {pending['source']}"
+    return text
+
+
+def _pending_short(pending: dict[str, Any] | None) -> str:
+    """``pending 3 (running 3)``: the total counting down, and what is not zero."""
+    if not pending:
+        return "pending ?"
+    total = pending.get("total")
+    busy = ", ".join(f"{name} {'?' if value is None else value}"
+                     for name, value in _counters(pending) if value != 0)
+    head = "pending ?" if total is None else f"pending {total}"
+    return f"{head} ({busy})" if busy else head
+
+
+def _reasons(pending: dict[str, Any] | None) -> list[str]:
+    reasons = (pending or {}).get("reasons")
+    return [str(r) for r in reasons] if isinstance(reasons, list) else []
+
+
+def _drain_line(drain: dict[str, Any]) -> str:
+    budget = drain.get("budget_s")
+    text = f"stage {drain.get('stage', '?')}, {_num(drain.get('elapsed_s'))} elapsed"
+    if budget is None:
+        text += " (no budget)"
+    else:
+        text += f" of {_num(budget)} budget ({_num(drain.get('budget_left_s'))} left)"
+    trend = drain.get("trend")
+    if isinstance(trend, list) and trend:
+        points = [str(p[1]) if isinstance(p, list) and len(p) > 1 and p[1] is not None else "?"
+                  for p in trend[-6:]]
+        text += ", pending trend " + " → ".join(points)
+    return text
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The human summary of ``quiesce status``."""
+    rows: list[tuple[str, str]] = []
+    rows.append(("state", f"{status.get('state', '?')} (generation {status.get('generation')}, "
+                          f"{_num(status.get('seconds_in_state'))} in state)"))
+    admission = "admission open" if status.get("accepting") else "admission closed"
+    rows.append(("in-flight", f"{status.get('inflight_requests', '?')} request(s), {admission}"))
+    pending = status.get("pending_work")
+    rows.append(("pending work", _pending_line(pending if isinstance(pending, dict) else None)))
+    rows += [("  unknown", reason) for reason in
+             _reasons(pending if isinstance(pending, dict) else None)]
+    registered = status.get("discovery_registered")
+    rows.append(("registration", "registered with discovery" if registered
+                 else "not registered with discovery"))
+    rows.append(("last error", str(status.get("last_error") or "none")))
+    drain = status.get("drain")
+    if isinstance(drain, dict):
+        rows.append(("drain", _drain_line(drain)))
+    last = status.get("last_drain")
+    if isinstance(last, dict):
+        result = "drained" if last.get("drained") else f"not drained ({last.get('outcome')})"
+        rows.append(("last drain", f"{result} after {_num(last.get('elapsed_s'))} "
+                                   f"(generation {last.get('generation')})"))
+    width = max(len(label) for label, _ in rows) + 2
+    return "\n".join(f"{label + ':':<{width}}{value}" for label, value in rows)
+
+
+def progress_line(status: dict[str, Any]) -> str:
+    """One line of drain progress: state, stage, pending work, in-flight, elapsed vs budget."""
+    drain = status.get("drain")
+    pending = status.get("pending_work")
+    parts = [str(status.get("state", "?"))]
+    if isinstance(drain, dict):
+        parts[0] += f" [{drain.get('stage', '?')}]"
+    parts.append(_pending_short(pending if isinstance(pending, dict) else None))
+    parts.append(f"in-flight {status.get('inflight_requests', '?')}")
+    if isinstance(drain, dict):
+        budget = drain.get("budget_s")
+        parts.append(f"{_num(drain.get('elapsed_s'))} / "
+                     + ("no budget" if budget is None else _num(budget)))
+    return " · ".join(parts)
+
+
+class Progress:
+    """Drain progress on a stream: one refreshed line on a TTY, else plain lines at most
+    once per ``interval_s``."""
+
+    def __init__(self, stream: TextIO, live: bool | None = None,
+                 interval_s: float = PLAIN_PROGRESS_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.stream = stream
+        self.live = stream.isatty() if live is None else live
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last_at: float | None = None
+        self._open_line = False
+
+    def update(self, status: dict[str, Any]) -> None:
+        line = progress_line(status)
+        if self.live:
+            self.stream.write("\r\x1b[K" + line[:self._width()])
+            self._open_line = True
+        else:
+            now = self._clock()
+            if self._last_at is not None and now - self._last_at < self.interval_s:
+                return
+            self._last_at = now
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def _width(self) -> int:
+        """The terminal's width less one, so the refreshed line never wraps."""
+        try:
+            columns = os.get_terminal_size(self.stream.fileno()).columns
+        except (OSError, ValueError, AttributeError):
+            columns = 0
+        return columns - 1 if columns > 20 else 120  # 0: a terminal that tells no size
+
+    def finish(self) -> None:
+        if self._open_line:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._open_line = False
+
+
+def _print_json(status: dict[str, Any]) -> None:
+    print(json.dumps(status, indent=2))
+
+
+# -- waiting for drained ------------------------------------------------------------
+
+def _drain_verdict(status: dict[str, Any]) -> tuple[bool, str] | None:
+    """``(True, ...)`` once drained, ``(False, why)`` once it cannot happen, else None."""
+    state = status.get("state")
+    if state == "drained":
+        return True, "drained"
+    if state == "serving":
+        return False, "the worker was resumed (state serving) before it drained"
+    if state == "stopping":
+        return False, ("the worker is shutting down (state stopping); its own budgeted "
+                       "shutdown finishes the drain")
+    if state == "draining" and status.get("drain") is None:
+        return False, "the drain run ended without reaching drained"
+    if state != "draining":
+        return False, f"unexpected state {state!r}"
+    return None
+
+
+def _explain(status: dict[str, Any], why: str) -> str:
+    """One line: why, the last error, what is still pending and why it is unknown."""
+    parts = [why]
+    if status.get("last_error"):
+        parts.append(f"last error: {status['last_error']}")
+    pending = status.get("pending_work")
+    pending = pending if isinstance(pending, dict) else None
+    parts.append(f"in-flight {status.get('inflight_requests', '?')}, "
+                 f"{_pending_short(pending)}")
+    reasons = _reasons(pending)
+    if reasons:
+        parts.append("unknown because: " + "; ".join(reasons))
+    return " — ".join(parts)
+
+
+def _wait_drained(client: AdminClient, status: dict[str, Any], progress: Progress,
+                  started: float, wait_s: float | None) -> tuple[bool, dict[str, Any], str]:
+    """Poll the status until drained, impossible, or ``wait_s`` after ``started`` (monotonic)."""
+    deadline = None if wait_s is None else started + wait_s
+    while True:
+        progress.update(status)
+        verdict = _drain_verdict(status)
+        if verdict is not None:
+            return verdict[0], status, verdict[1]
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            return False, status, (f"still {status.get('state')} after {now - started:.1f}s; "
+                                   "stopped waiting (the drain goes on in the worker)")
+        time.sleep(POLL_INTERVAL_S if deadline is None
+                   else max(0.0, min(POLL_INTERVAL_S, deadline - now)))
+        status = client.status()
+
+
+# -- commands -----------------------------------------------------------------------
+
+def _run_status(args: argparse.Namespace, client: AdminClient) -> int:
+    status = client.status()
+    if args.json:
+        _print_json(status)
+    else:
+        print(format_status(status))
+    return EXIT_OK
+
+
+def _run_resume(args: argparse.Namespace, client: AdminClient) -> int:
+    status = client.resume()
+    if args.json:
+        _print_json(status)
+    else:
+        print(f"{status.get('state')} (generation {status.get('generation')})")
+    return EXIT_OK
+
+
+def _run_drain(args: argparse.Namespace, client: AdminClient) -> int:
+    started = time.monotonic()
+    status = client.drain(budget_s=args.budget)
+    if not args.wait:
+        if args.json:
+            _print_json(status)
+        else:
+            hint = ("; follow it with 'quiesce drain --wait' or 'quiesce status'"
+                    if status.get("state") == "draining" else "")
+            print(f"{status.get('state')} (generation {status.get('generation')}){hint}")
+        return EXIT_OK
+    wait_s: float | None = args.wait_timeout
+    drain = status.get("drain")
+    if wait_s is None and isinstance(drain, dict):
+        left = drain.get("budget_left_s")
+        if isinstance(left, (int, float)):  # the run's own budget, also when joining one
+            wait_s = float(left) + WAIT_SLACK_S
+    progress = Progress(sys.stderr)
+    try:
+        drained, status, why = _wait_drained(client, status, progress, started, wait_s)
+    finally:
+        progress.finish()
+    if args.json:
+        _print_json(status)
+    if not drained:
+        _error(args, "not drained: " + _explain(status, why))
+        return EXIT_FAILED
+    if not args.json:
+        print(f"drained (generation {status.get('generation')}) after "
+              f"{time.monotonic() - started:.1f}s")
+    return EXIT_OK
+
+
+def _grace_period(args: argparse.Namespace) -> float:
+    if args.grace_period is not None:
+        return float(args.grace_period)
+    raw = os.environ.get(GRACE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_GRACE_S
+    try:
+        return _seconds(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise _UsageError(f"${GRACE_ENV}: {exc}") from None
+
+
+def _run_prestop(args: argparse.Namespace, client: AdminClient) -> int:
+    started = time.monotonic()
+    grace = _grace_period(args)
+    budget = grace - args.margin
+    if budget <= 0:
+        raise _UsageError(f"the grace period ({grace:g}s) leaves no time after the margin "
+                          f"({args.margin:g}s); raise the grace period or lower --margin")
+    print(f"quiesce prestop: draining {client.url} within {budget:g}s "
+          f"(grace period {grace:g}s minus margin {args.margin:g}s)", file=sys.stderr)
+    status = client.drain(budget_s=budget)
+    progress = Progress(sys.stderr, live=False)
+    drained, status, why = _wait_drained(client, status, progress, started, budget)
+    if not drained:
+        _error(args, f"not drained within {budget:g}s: {_explain(status, why)}; SIGTERM "
+                     "now runs the worker's own budgeted shutdown")
+        return EXIT_FAILED
+    print(f"drained (generation {status.get('generation')}) after "
+          f"{time.monotonic() - started:.1f}s")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code: int = args.handler(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

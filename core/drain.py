@@ -1,0 +1,209 @@
+"""The drain wait: admitted requests to zero, then the engine to quiescence.
+
+Two stage functions, each bounded by one absolute :class:`~quiesce.budget.Deadline`
+and each returning a :class:`StageReport`:
+
+- :func:`wait_admitted_zero` wakes on the gate's zero event (no polling);
+- :func:`wait_quiescent` reads the probe, then waits for the probe's change event
+  where it offers one, otherwise polls with a short doubling backoff (1 ms up to a
+  few tens of ms, reset whenever the pending work changes). Never a fixed sleep.
+
+The lifecycle strings these together with unregister, router grace and closing
+admission (see :mod:`quiesce.lifecycle`). Nothing here changes worker state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from quiesce.admission import AdmissionGate
+from quiesce.budget import Clock, Deadline, check_seconds
+from quiesce.errors import ConfigError
+from quiesce.probe import (
+    DEFAULT_PROBE_TIMEOUT_S,
+    ChangeNotifier,
+    PendingWork,
+    QuiescenceProbe,
+    Verdict,
+    observe,
+)
+
+log = logging.getLogger("quiesce.drain")
+
+
+class StageOutcome(str, Enum):
+    """How a stage ended.
+
+    ``unsupported``: the signal the stage needs could not be read (the probe was
+    still unknown when time ran out); ``failed``: the stage's action raised.
+    """
+
+    COMPLETED = "completed"
+    TIMED_OUT = "timed_out"
+    SKIPPED = "skipped"
+    CANCELLED = "cancelled"
+    UNSUPPORTED = "unsupported"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class StageReport:
+    stage: str
+    outcome: StageOutcome
+    elapsed_s: float
+    detail: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"stage": self.stage, "outcome": self.outcome.value,
+                "elapsed_s": round(self.elapsed_s, 6), "detail": self.detail}
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainReport:
+    """What one drain run did: every stage in order, and the last pending work it saw."""
+
+    generation: int
+    stages: tuple[StageReport, ...]
+    elapsed_s: float
+    drained: bool
+    last_pending_work: PendingWork | None = None
+
+    @property
+    def outcome(self) -> StageOutcome:
+        """COMPLETED when drained; otherwise the outcome of the stage that stopped the run."""
+        if self.drained:
+            return StageOutcome.COMPLETED
+        for stage in reversed(self.stages):
+            if stage.outcome not in (StageOutcome.COMPLETED, StageOutcome.SKIPPED):
+                return stage.outcome
+        return StageOutcome.CANCELLED
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "generation": self.generation,
+            "drained": self.drained,
+            "outcome": self.outcome.value,
+            "elapsed_s": round(self.elapsed_s, 6),
+            "stages": [s.to_dict() for s in self.stages],
+            "last_pending_work": (self.last_pending_work.to_dict()
+                                  if self.last_pending_work else None),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainConfig:
+    """Knobs of a drain run. Invalid values raise :class:`ConfigError` naming the field.
+
+    ``router_grace_s``: after unregistering, keep admitting this long, because routers
+    that already picked this worker are still sending. ``budget_s``: default bound of
+    an admin drain (``None``: until resumed). ``heartbeat_s``: how often a long wait
+    logs the pending work.
+    """
+
+    router_grace_s: float = 2.0
+    budget_s: float | None = None
+    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
+    poll_base_s: float = 0.001
+    poll_cap_s: float = 0.032
+    heartbeat_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        check_seconds("router_grace_s", self.router_grace_s)
+        check_seconds("budget_s", self.budget_s, allow_none=True)
+        check_seconds("probe_timeout_s", self.probe_timeout_s, allow_zero=False)
+        check_seconds("poll_base_s", self.poll_base_s, allow_zero=False)
+        check_seconds("poll_cap_s", self.poll_cap_s, allow_zero=False)
+        check_seconds("heartbeat_s", self.heartbeat_s, allow_zero=False)
+        if self.poll_cap_s < self.poll_base_s:
+            raise ConfigError("poll_cap_s", f"{self.poll_cap_s}s is below poll_base_s")
+
+
+class Backoff:
+    """Intervals that start at ``base`` and double up to ``cap``; :meth:`reset` starts over."""
+
+    __slots__ = ("_base", "_cap", "_next")
+
+    def __init__(self, base: float, cap: float) -> None:
+        self._base, self._cap, self._next = base, cap, base
+
+    def next(self) -> float:
+        current = self._next
+        self._next = min(self._cap, current * 2)
+        return current
+
+    def reset(self) -> None:
+        self._next = self._base
+
+
+async def wait_admitted_zero(gate: AdmissionGate, deadline: Deadline,
+                             clock: Clock = time.monotonic) -> StageReport:
+    """Wait until nothing is admitted. Event-driven; bounded by ``deadline``."""
+    start = clock()
+    if gate.inflight == 0:
+        return StageReport("inflight", StageOutcome.COMPLETED, 0.0)
+    log.info("waiting for %d admitted request(s) to finish", gate.inflight)
+    try:
+        await asyncio.wait_for(gate.wait_idle(),
+                               None if not deadline.bounded else deadline.remaining())
+    except asyncio.TimeoutError:
+        return StageReport("inflight", StageOutcome.TIMED_OUT, clock() - start,
+                           f"{gate.inflight} admitted request(s) still running")
+    return StageReport("inflight", StageOutcome.COMPLETED, clock() - start)
+
+
+ProgressCallback = Callable[[PendingWork], None]
+
+
+async def wait_quiescent(probe: QuiescenceProbe, deadline: Deadline, config: DrainConfig,
+                         on_progress: ProgressCallback | None = None,
+                         clock: Clock = time.monotonic) -> tuple[StageReport, PendingWork]:
+    """Wait until the probe reports known-zero pending work, bounded by ``deadline``.
+
+    Returns the stage report and the last snapshot read. At the deadline the outcome
+    is ``timed_out`` if the engine was busy and ``unsupported`` if the probe could
+    not give a known answer (the reasons are in the detail).
+    """
+    start = clock()
+    backoff = Backoff(config.poll_base_s, config.poll_cap_s)
+    notifier = probe if isinstance(probe, ChangeNotifier) else None
+    last: PendingWork | None = None
+    next_heartbeat = start + config.heartbeat_s
+    while True:
+        snapshot = await observe(probe, min(config.probe_timeout_s,
+                                            max(deadline.remaining(), 0.001)))
+        if on_progress is not None:
+            on_progress(snapshot)
+        if snapshot.verdict is Verdict.QUIESCENT:
+            return StageReport("engine", StageOutcome.COMPLETED, clock() - start), snapshot
+        if not snapshot.same_work(last):
+            backoff.reset()
+            if last is None or snapshot.verdict is Verdict.UNKNOWN:
+                log.info("engine not quiescent yet: %s", snapshot.summary())
+        last = snapshot
+        now = clock()
+        if now >= next_heartbeat:
+            log.info("still draining after %.1fs: %s", now - start, snapshot.summary())
+            next_heartbeat = now + config.heartbeat_s
+        remaining = deadline.remaining()
+        if remaining <= 0:
+            if snapshot.verdict is Verdict.UNKNOWN:
+                return (StageReport("engine", StageOutcome.UNSUPPORTED, now - start,
+                                    "; ".join(snapshot.reasons)), snapshot)
+            return (StageReport("engine", StageOutcome.TIMED_OUT, now - start,
+                                f"still pending: {snapshot.summary()}"), snapshot)
+        pause = min(backoff.next(), remaining)
+        if notifier is not None:
+            try:
+                await notifier.wait_for_change(snapshot, pause)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a broken notifier degrades to polling
+                log.warning("probe change notification failed (%s); polling instead", exc)
+                notifier = None
+        else:
+            await asyncio.sleep(pause)
