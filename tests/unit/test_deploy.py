@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from quiesce.cli import build_parser
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "worker.yaml"
@@ -19,6 +18,7 @@ MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "work
 def deployment() -> dict[str, Any]:
     docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
     (found,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert isinstance(found, dict)
     return found
 
 
