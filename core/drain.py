@@ -159,27 +159,38 @@ async def wait_admitted_zero(gate: AdmissionGate, deadline: Deadline,
 ProgressCallback = Callable[[PendingWork], None]
 
 
+MIN_READ_S = 0.01
+"""The shortest probe read worth starting: closer to the deadline the wait ends on what it
+last saw, rather than on a read cut short (which would only say "unknown")."""
+
+
 async def wait_quiescent(probe: QuiescenceProbe, deadline: Deadline, config: DrainConfig,
                          on_progress: ProgressCallback | None = None,
                          clock: Clock = time.monotonic) -> tuple[StageReport, PendingWork]:
     """Wait until the probe reports known-zero pending work, bounded by ``deadline``.
 
     Returns the stage report and the last snapshot read. At the deadline the outcome
-    is ``timed_out`` if the engine was busy and ``unsupported`` if the probe could
-    not give a known answer (the reasons are in the detail).
+    is ``timed_out`` if the engine was last known busy (the detail shows that work)
+    and ``unsupported`` if the probe never gave a known answer (the detail gives the
+    reasons).
     """
     start = clock()
     backoff = Backoff(config.poll_base_s, config.poll_cap_s)
-    notifier = probe if isinstance(probe, ChangeNotifier) else None
+    notifier: ChangeNotifier | None = probe if isinstance(probe, ChangeNotifier) else None
     last: PendingWork | None = None
+    last_busy: PendingWork | None = None
     next_heartbeat = start + config.heartbeat_s
     while True:
-        snapshot = await observe(probe, min(config.probe_timeout_s,
-                                            max(deadline.remaining(), 0.001)))
+        remaining = deadline.remaining()
+        if last is not None and remaining < MIN_READ_S:
+            return _at_deadline(last, last_busy, clock() - start), last
+        snapshot = await observe(probe, min(config.probe_timeout_s, max(remaining, MIN_READ_S)))
         if on_progress is not None:
             on_progress(snapshot)
         if snapshot.verdict is Verdict.QUIESCENT:
             return StageReport("engine", StageOutcome.COMPLETED, clock() - start), snapshot
+        if snapshot.verdict is Verdict.BUSY:
+            last_busy = snapshot
         if not snapshot.same_work(last):
             backoff.reset()
             if last is None or snapshot.verdict is Verdict.UNKNOWN:
@@ -191,19 +202,33 @@ async def wait_quiescent(probe: QuiescenceProbe, deadline: Deadline, config: Dra
             next_heartbeat = now + config.heartbeat_s
         remaining = deadline.remaining()
         if remaining <= 0:
-            if snapshot.verdict is Verdict.UNKNOWN:
-                return (StageReport("engine", StageOutcome.UNSUPPORTED, now - start,
-                                    "; ".join(snapshot.reasons)), snapshot)
-            return (StageReport("engine", StageOutcome.TIMED_OUT, now - start,
-                                f"still pending: {snapshot.summary()}"), snapshot)
-        pause = min(backoff.next(), remaining)
-        if notifier is not None:
-            try:
-                await notifier.wait_for_change(snapshot, pause)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a broken notifier degrades to polling
-                log.warning("probe change notification failed (%s); polling instead", exc)
-                notifier = None
-        else:
-            await asyncio.sleep(pause)
+            return _at_deadline(snapshot, last_busy, now - start), snapshot
+        notifier = await _pause(notifier, snapshot, min(backoff.next(), remaining))
+
+
+async def _pause(notifier: ChangeNotifier | None, snapshot: PendingWork,
+                 seconds: float) -> ChangeNotifier | None:
+    """Wait for a change (or ``seconds``); returns the notifier to use next time."""
+    if notifier is None:
+        await asyncio.sleep(seconds)
+        return None
+    try:
+        await notifier.wait_for_change(snapshot, seconds)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a broken notifier degrades to polling
+        log.warning("probe change notification failed (%s); polling instead", exc)
+        return None
+    return notifier
+
+
+def _at_deadline(last: PendingWork, last_busy: PendingWork | None,
+                 elapsed: float) -> StageReport:
+    if last.verdict is Verdict.BUSY:
+        return StageReport("engine", StageOutcome.TIMED_OUT, elapsed,
+                           f"still pending: {last.summary()}")
+    if last_busy is not None:  # the last read failed; the last answer said busy
+        return StageReport("engine", StageOutcome.TIMED_OUT, elapsed,
+                           f"still pending when last known: {last_busy.summary()}; "
+                           f"last read: {'; '.join(last.reasons)}")
+    return StageReport("engine", StageOutcome.UNSUPPORTED, elapsed, "; ".join(last.reasons))
