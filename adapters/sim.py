@@ -30,18 +30,18 @@ import dataclasses
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from enum import Enum
+from typing import Any
 
 from quiesce.budget import check_seconds
-from quiesce.errors import ConfigError, QuiesceError
+from quiesce.errors import ConfigError, RequestAborted
 from quiesce.probe import PendingWork, Probe, Role
 
 SOURCE = "sim.engine"
 
-
-class RequestAborted(QuiesceError):
-    """The engine aborted this request (shutdown budget, explicit abort)."""
+__all__ = ["KVFate", "RequestAborted", "SimConfig", "SimEngine", "SimProbe", "SimRequest",
+           "SimServing", "probe_factory"]
 
 
 class KVFate(str, Enum):
@@ -370,6 +370,31 @@ class SimProbe(Probe):
         if not self.snapshot().same_work(after):
             return
         await self.engine.wait_for_change(timeout)
+
+
+class SimServing:
+    """The simulated engine behind the reference worker (``quiesce serve --engine sim``)."""
+
+    def __init__(self, config: SimConfig | None = None, role: Role | str = Role.AGGREGATED,
+                 name: str = "sim") -> None:
+        self.engine = SimEngine(config, name=name)
+        self.probe = SimProbe(self.engine, role)
+        self.control = self.engine
+
+    async def start(self) -> None:
+        await self.engine.start()
+
+    async def stream(self, prompt: str, max_tokens: int, request_id: str,
+                     kv_transfer_params: Mapping[str, Any]
+                     ) -> AsyncIterator[tuple[str, str | None]]:
+        """Text pieces and, on the last, the finish reason. ``do_remote_decode`` holds the KV
+        for a decoder (as in vLLM); ``sim_never_pulled``: that decoder never pulls (tests)."""
+        request = SimRequest(request_id, prompt_tokens=max(1, len(prompt.split())),
+                             max_tokens=max_tokens,
+                             remote_decode=bool(kv_transfer_params.get("do_remote_decode")),
+                             never_pulled=bool(kv_transfer_params.get("sim_never_pulled")))
+        async for token in self.engine.generate(request):
+            yield f" t{token}", "length" if token == max_tokens else None
 
 
 def probe_factory(engine: object, *, role: Role | str = Role.AGGREGATED) -> SimProbe:

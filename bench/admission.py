@@ -13,10 +13,9 @@ import gc
 import time
 from collections.abc import Awaitable, Callable
 
-from quiesce.admission import Admission, AdmissionGate
-
 from bench.results_format import Result
 from bench.stats import median
+from quiesce.admission import Admission, AdmissionGate
 
 NAME = "admission"
 

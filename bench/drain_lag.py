@@ -20,14 +20,13 @@ import random
 import time
 from collections.abc import Sequence
 
+from bench.results_format import Result
+from bench.stats import percentile
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
 from quiesce.admission import AdmissionGate
 from quiesce.discovery import InMemoryDiscovery
 from quiesce.drain import DrainConfig, StageOutcome
 from quiesce.lifecycle import Lifecycle, State
-
-from bench.results_format import Result
-from bench.stats import percentile
 
 NAME = "drain_lag"
 

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from quiesce.demo import DemoConfig
 from quiesce.demo import main as demo_main
 from quiesce.errors import ConfigError
+from quiesce.serve_options import add_serve_arguments
 
 if TYPE_CHECKING:
     from quiesce.admin_client import AdminClient
@@ -105,19 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run the reference worker (needs quiesce[server])",
         description="Serve an OpenAI-compatible /v1/completions in front of an engine, with "
                     "the admin API on its own port; SIGTERM drains on one budget.")
-    _add_serve_arguments(serve)
+    add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
 
     _add_operator_commands(commands)
     return parser
-
-
-def _add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    try:
-        from quiesce.worker import add_serve_arguments  # noqa: PLC0415 (optional extra)
-    except ImportError:  # the server extra is missing; `serve` says so when run
-        return
-    add_serve_arguments(parser)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -36,6 +36,10 @@ class WorkerDraining(QuiesceError):
         self.state = state
 
 
+class RequestAborted(QuiesceError):
+    """The engine aborted this request (shutdown budget ran out, explicit abort)."""
+
+
 class InvalidTransition(QuiesceError):
     """A lifecycle operation is not allowed in the current state (e.g. drain while stopping)."""
 

@@ -78,6 +78,7 @@ from collections.abc import Iterator
 import prometheus_client
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 from quiesce.budget import Clock
 from quiesce.drain import StageOutcome
 from quiesce.lifecycle import EventKind, Lifecycle, LifecycleEvent, State

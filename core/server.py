@@ -47,10 +47,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from quiesce.errors import ConfigError, InvalidTransition, QuiesceError, ResumeFailed
 from quiesce.lifecycle import Lifecycle, State
 from quiesce.metrics import WorkerMetrics
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("quiesce.server")
 

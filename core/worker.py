@@ -21,27 +21,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from quiesce.adapters.sim import RequestAborted, SimConfig, SimEngine, SimProbe, SimRequest
+from starlette.types import Receive, Scope, Send
+
+from quiesce.adapters.sim import SimConfig, SimServing
 from quiesce.admission import Admission, AdmissionGate
 from quiesce.discovery import InMemoryDiscovery
 from quiesce.drain import DrainConfig
-from quiesce.errors import ConfigError, WorkerDraining
+from quiesce.engine import EngineControl
+from quiesce.errors import ConfigError, EngineNotInstalled, RequestAborted, WorkerDraining
 from quiesce.lifecycle import Lifecycle
 from quiesce.metrics import WorkerMetrics
-from quiesce.probe import Role
+from quiesce.probe import QuiescenceProbe
+from quiesce.serve_options import WorkerOptions, options_from_args
 from quiesce.server import (
     EmbeddedServer,
     bind_socket,
@@ -51,7 +54,6 @@ from quiesce.server import (
     load_token,
 )
 from quiesce.shutdown import Shutdown, ShutdownPolicy
-from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("quiesce.worker")
 
@@ -96,50 +98,62 @@ def _chunk(request_id: str, model: str, text: str, finish: str | None) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def create_completions_app(engine: SimEngine, gate: AdmissionGate,
-                           model_name: str = "quiesce-sim") -> FastAPI:
+class ServingEngine(Protocol):
+    """What the reference worker needs from an engine (``SimServing``, ``VllmServing``)."""
+
+    @property
+    def probe(self) -> QuiescenceProbe: ...
+
+    @property
+    def control(self) -> EngineControl: ...
+
+    async def start(self) -> None: ...
+
+    def stream(self, prompt: str, max_tokens: int, request_id: str,
+               kv_transfer_params: Mapping[str, Any]) -> AsyncIterator[tuple[str, str | None]]:
+        """Text pieces with the finish reason on the last; raises RequestAborted."""
+        ...
+
+
+def create_completions_app(serving: ServingEngine, gate: AdmissionGate,
+                           model_name: str = "quiesce") -> FastAPI:
     """The serving API: every request is admitted through ``gate`` before it starts."""
     app = FastAPI(title="quiesce reference worker", version="1")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
         request_id = body.request_id or f"cmpl-{uuid.uuid4().hex[:16]}"
-        params = body.kv_transfer_params or {}
         prompt = body.prompt if isinstance(body.prompt, str) else " ".join(body.prompt)
-        sim = SimRequest(request_id, prompt_tokens=max(1, len(prompt.split())),
-                         max_tokens=body.max_tokens,
-                         remote_decode=bool(params.get("do_remote_decode")),
-                         never_pulled=bool(params.get("sim_never_pulled")))
         try:
             admission = gate.admit(request_id)
         except WorkerDraining as exc:
             return error_response(503, "worker_draining", str(exc), retryable=True)
+        pieces = serving.stream(prompt, body.max_tokens, request_id,
+                                body.kv_transfer_params or {})
         model = body.model or model_name
         if body.stream:
-            return AdmittedStream(_stream(engine, sim, model, admission), admission)
+            return AdmittedStream(_sse(pieces, request_id, model, admission), admission)
         with admission:
             try:
-                tokens = [t async for t in engine.generate(sim)]
+                answer = [piece async for piece in pieces]
             except RequestAborted as exc:
                 return error_response(503, "request_aborted", str(exc), retryable=False)
         return JSONResponse({"id": request_id, "object": "text_completion", "model": model,
                              "created": int(time.time()),
-                             "choices": [{"index": 0, "text": " ".join(f"t{t}" for t in tokens),
-                                          "finish_reason": "length", "logprobs": None}],
-                             "usage": {"prompt_tokens": sim.prompt_tokens,
-                                       "completion_tokens": len(tokens),
-                                       "total_tokens": sim.prompt_tokens + len(tokens)}})
+                             "choices": [{"index": 0, "text": "".join(t for t, _ in answer),
+                                          "finish_reason": answer[-1][1] if answer else None,
+                                          "logprobs": None}],
+                             "usage": {"completion_tokens": len(answer)}})
 
     return app
 
 
-async def _stream(engine: SimEngine, sim: SimRequest, model: str,
-                  admission: Admission) -> AsyncIterator[str]:
+async def _sse(pieces: AsyncIterator[tuple[str, str | None]], request_id: str, model: str,
+               admission: Admission) -> AsyncIterator[str]:
     with admission:
         try:
-            async for token in engine.generate(sim):
-                finish = "length" if token == sim.max_tokens else None
-                yield _chunk(sim.request_id, model, f" t{token}", finish)
+            async for text, finish in pieces:
+                yield _chunk(request_id, model, text, finish)
         except RequestAborted as exc:
             error = {"error": {"type": "request_aborted", "message": str(exc)}}
             yield f"data: {json.dumps(error)}\n\n"
@@ -147,19 +161,19 @@ async def _stream(engine: SimEngine, sim: SimRequest, model: str,
         yield "data: [DONE]\n\n"
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkerOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    admin_host: str = "127.0.0.1"
-    admin_port: int = 8001
-    role: Role = Role.AGGREGATED
-    budget_s: float = 30.0
-    cleanup_reserve_s: float = 5.0
-    router_grace_s: float = 2.0
-    admin_token_file: str | None = None
-    decode_step_s: float = 0.02
-    name: str = "worker"
+def build_serving(options: WorkerOptions) -> ServingEngine:
+    """The engine behind the worker; vLLM is imported only when asked for."""
+    if options.engine == "vllm":
+        from quiesce.adapters.vllm import installed_vllm_version  # noqa: PLC0415
+        from quiesce.adapters.vllm.serving import VllmServing  # noqa: PLC0415
+
+        if installed_vllm_version() is None:
+            raise EngineNotInstalled("vllm", "vllm", "vllm")
+        assert options.model is not None
+        return VllmServing(options.model, options.role, max_model_len=options.max_model_len,
+                           enforce_eager=True)
+    return SimServing(SimConfig(decode_step_s=options.decode_step_s), options.role,
+                      options.name)
 
 
 def _emit(event: dict[str, object]) -> None:
@@ -171,74 +185,43 @@ async def run_worker(options: WorkerOptions) -> int:
     """Serve until signalled, then shut down on one budget. Returns the exit code."""
     token = load_token(options.admin_token_file)
     check_bind(options.admin_host, token)
-    policy = ShutdownPolicy(total_s=options.budget_s, cleanup_reserve_s=options.cleanup_reserve_s)
-    engine = SimEngine(SimConfig(decode_step_s=options.decode_step_s), name=options.name)
-    gate = AdmissionGate()
-    lifecycle = Lifecycle(gate=gate, probe=SimProbe(engine, options.role),
-                          discovery=InMemoryDiscovery(options.name),
-                          config=DrainConfig(router_grace_s=options.router_grace_s))
-    shutdown = Shutdown(lifecycle, engine, policy)
-    shutdown.install_signal_handlers()
     if token is None:
         log.warning("admin API has no token: open to local processes on %s only",
                     options.admin_host)
+    serving = build_serving(options)
+    await serving.start()
+    gate = AdmissionGate()
+    lifecycle = Lifecycle(gate=gate, probe=serving.probe,
+                          discovery=InMemoryDiscovery(options.name),
+                          config=DrainConfig(router_grace_s=options.router_grace_s))
+    shutdown = Shutdown(lifecycle, serving.control,
+                        ShutdownPolicy(total_s=options.budget_s,
+                                       cleanup_reserve_s=options.cleanup_reserve_s))
+    shutdown.install_signal_handlers()
 
-    await engine.start()
-    serving = EmbeddedServer(create_completions_app(engine, gate),
-                             bind_socket(options.host, options.port))
+    api = EmbeddedServer(create_completions_app(serving, gate, options.engine),
+                         bind_socket(options.host, options.port))
     admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
                                             metrics=WorkerMetrics(lifecycle)),
                            bind_socket(options.admin_host, options.admin_port))
-    await serving.start()
+    await api.start()
     await admin.start()
     await lifecycle.start()
-    _emit({"event": "ready", "port": serving.port, "admin_port": admin.port, "pid": os.getpid()})
+    _emit({"event": "ready", "port": api.port, "admin_port": admin.port, "pid": os.getpid()})
 
     await shutdown.wait_requested()
     report = await shutdown.run()
     # Every admitted stream has ended (or was aborted); close the listeners last.
-    await serving.stop()
+    await api.stop()
     await admin.stop()
     _emit({"event": "exit", **report.to_dict()})
     return report.exit_code
 
 
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = WorkerOptions()
-    parser.add_argument("--engine", choices=["sim"], default="sim",
-                        help="engine behind the worker (sim: the simulated engine)")
-    parser.add_argument("--host", default=defaults.host, help="serving API address")
-    parser.add_argument("--port", type=int, default=defaults.port, help="serving API port")
-    parser.add_argument("--admin-host", default=defaults.admin_host, help="admin API address")
-    parser.add_argument("--admin-port", type=int, default=defaults.admin_port,
-                        help="admin API port")
-    parser.add_argument("--admin-token-file", default=None,
-                        help="file with the admin bearer token (else $QUIESCE_ADMIN_TOKEN)")
-    parser.add_argument("--role", default=defaults.role.value,
-                        choices=[r.value for r in Role], help="worker role")
-    parser.add_argument("--budget", type=float, default=defaults.budget_s,
-                        help="shutdown budget from SIGTERM to exit, s (%(default)s)")
-    parser.add_argument("--reserve", type=float, default=None,
-                        help="part of the budget kept for abort and cleanup, s "
-                             "(default: a fifth of the budget, at most 5)")
-    parser.add_argument("--router-grace", type=float, default=defaults.router_grace_s,
-                        help="keep admitting this long after unregistering, s (%(default)s)")
-    parser.add_argument("--decode-step", type=float, default=defaults.decode_step_s,
-                        help="sim engine: seconds per decode step (%(default)s)")
-
-
 def serve_main(args: argparse.Namespace) -> int:
     """Entry of ``quiesce serve``; configuration errors exit 2 with one clear line."""
     try:
-        options = WorkerOptions(
-            host=args.host, port=args.port, admin_host=args.admin_host,
-            admin_port=args.admin_port, role=Role.parse(args.role), budget_s=args.budget,
-            cleanup_reserve_s=(args.reserve if args.reserve is not None
-                               else min(5.0, args.budget / 5)),
-            router_grace_s=args.router_grace,
-            admin_token_file=args.admin_token_file, decode_step_s=args.decode_step)
-        SimConfig(decode_step_s=options.decode_step_s)
-        return asyncio.run(run_worker(options))
-    except (ConfigError, OSError) as exc:
+        return asyncio.run(run_worker(options_from_args(args)))
+    except (ConfigError, EngineNotInstalled, OSError) as exc:
         print(f"quiesce serve: {exc}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ import pytest
 import schemathesis
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
+
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
 from quiesce.admission import Admission, AdmissionGate
 from quiesce.discovery import InMemoryDiscovery

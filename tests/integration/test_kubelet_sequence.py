@@ -27,8 +27,8 @@ from tests.integration.worker_process import (
 
 pytestmark = pytest.mark.slow
 
-GRACE_S = 8.0  # terminationGracePeriodSeconds
-MARGIN_S = 4.0  # prestop drains for GRACE_S - MARGIN_S
+GRACE_S = 12.0  # terminationGracePeriodSeconds
+MARGIN_S = 6.0  # prestop drains for GRACE_S - MARGIN_S; the worker budget (3 s) fits in it
 WORKER_ARGS = ("--decode-step", "0.01", "--router-grace", "0.3", "--budget", "3",
                "--reserve", "1")
 

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
 from quiesce.shutdown import EXIT_CLEAN, EXIT_FORCED, EXIT_IMMEDIATE
 
 pytestmark = pytest.mark.slow

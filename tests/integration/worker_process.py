@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,11 +22,22 @@ import httpx
 TOKEN = "test-token-0123456789"
 
 
+def _events(lines: list[str]) -> Iterator[dict[str, object]]:
+    """The worker's JSON event lines among everything it printed (engines log to stdout)."""
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):
+            event = json.loads(line)
+            if isinstance(event, dict) and "event" in event:
+                yield event
+
+
 @dataclass
 class Worker:
     process: subprocess.Popen[str]
-    port: int
-    admin_port: int
+    lines: list[str]
+    reader: threading.Thread
+    port: int = 0
+    admin_port: int = 0
 
     @property
     def url(self) -> str:
@@ -46,20 +58,17 @@ class Worker:
         self.process.send_signal(sig)
 
     def finish(self, timeout: float) -> tuple[int | None, dict[str, object] | None]:
-        """Wait up to ``timeout`` s for exit; kill (SIGKILL) past it and return code None."""
+        """Wait up to ``timeout`` s for exit; SIGKILL past it and return code None."""
         try:
-            out, _ = self.process.communicate(timeout=timeout)
+            self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.communicate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
             return None, None
-        report = None
-        for line in out.splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                event = json.loads(line)
-                if isinstance(event, dict) and event.get("event") == "exit":
-                    report = event
-        return self.process.returncode, report
+        self.reader.join(timeout=10)
+        exits = [e for e in _events(self.lines) if e.get("event") == "exit"]
+        return self.process.returncode, (exits[-1] if exits else None)
 
 
 def worker_env() -> dict[str, str]:
@@ -67,34 +76,41 @@ def worker_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def start_worker(*args: str, startup_timeout: float = 60.0) -> Iterator[Worker]:
-    """Run ``quiesce serve --engine sim`` on free loopback ports; kill it on the way out."""
+def start_worker(*args: str, engine: tuple[str, ...] = ("--engine", "sim"),
+                 startup_timeout: float = 60.0) -> Iterator[Worker]:
+    """Run ``quiesce serve`` on free loopback ports; kill it (and its children) on the way out."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "quiesce", "serve", "--engine", "sim", "--port", "0",
+        [sys.executable, "-m", "quiesce", "serve", *engine, "--port", "0",
          "--admin-port", "0", *args],
-        stdout=subprocess.PIPE, text=True, env=worker_env())
-    try:
+        stdout=subprocess.PIPE, text=True, env=worker_env(), start_new_session=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:  # a thread, so that a full pipe can never block the worker
         assert process.stdout is not None
-        ready = _read_ready(process, startup_timeout)
-        yield Worker(process, int(ready["port"]), int(ready["admin_port"]))
+        for line in process.stdout:
+            lines.append(line)
+            if '"ready"' in line:
+                ready.set()
+        ready.set()  # exited
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    worker = Worker(process, lines, reader)
+    try:
+        ready.wait(startup_timeout)
+        events = [e for e in _events(lines) if e.get("event") == "ready"]
+        if not events:
+            raise RuntimeError(f"worker did not report ready within {startup_timeout}s "
+                               f"(exit code {process.poll()})")
+        worker.port = int(events[0]["port"])  # type: ignore[call-overload]
+        worker.admin_port = int(events[0]["admin_port"])  # type: ignore[call-overload]
+        yield worker
     finally:
         if process.poll() is None:
-            process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # engine processes too
         process.wait(timeout=30)
-
-
-def _read_ready(process: subprocess.Popen[str], timeout: float) -> dict[str, int]:
-    import selectors
-
-    assert process.stdout is not None
-    selector = selectors.DefaultSelector()
-    selector.register(process.stdout, selectors.EVENT_READ)
-    if not selector.select(timeout):
-        raise RuntimeError(f"worker did not report ready within {timeout}s")
-    line = process.stdout.readline()
-    event = json.loads(line)
-    assert event["event"] == "ready", line
-    return {"port": event["port"], "admin_port": event["admin_port"]}
 
 
 @dataclass

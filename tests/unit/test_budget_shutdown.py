@@ -16,6 +16,7 @@ from collections.abc import Callable
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from quiesce import (
     Admission,
     AdmissionGate,

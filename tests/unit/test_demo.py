@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from quiesce import ConfigError
 from quiesce.cli import main as cli_main
 from quiesce.demo import DemoConfig, format_table, make_workload, run_demo

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from quiesce.cli import build_parser
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "worker.yaml"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from quiesce import AdmissionGate, ConfigError, PendingWork, Role, StageOutcome
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
 from quiesce.budget import Deadline
@@ -16,7 +17,6 @@ from quiesce.drain import (
     wait_admitted_zero,
     wait_quiescent,
 )
-
 from tests.unit.test_probe import FakeProbe
 
 FAST = DrainConfig(router_grace_s=0, poll_base_s=0.001, poll_cap_s=0.004, probe_timeout_s=0.05)

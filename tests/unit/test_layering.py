@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "engine",
               "registry"}
 LIFECYCLE = {"lifecycle", "shutdown"}
-FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client"}
+FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client",
+         "serve_options"}
 ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"}}
 """Third-party packages an adapter may import, lazily (inside a function) only."""
 THIRD_PARTY_ALLOWED_IN_FACES = {"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client",

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, cast
 
 import pytest
+
 from quiesce import (
     AdmissionGate,
     ConfigError,

@@ -34,6 +34,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+
 from quiesce import (
     AdmissionGate,
     DrainConfig,

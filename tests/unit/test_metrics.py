@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
 from quiesce import (
     UNKNOWN,
     AdmissionGate,

@@ -11,6 +11,7 @@ import asyncio
 import math
 
 import pytest
+
 from quiesce import UNKNOWN, AllOf, ConfigError, PendingWork, Probe, Role, Verdict, observe
 from quiesce.probe import REQUIRED_COUNTERS
 

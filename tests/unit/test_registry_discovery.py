@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from quiesce import AdapterNotFound, ConfigError, InMemoryDirectory, InMemoryDiscovery, Role
 from quiesce.adapters.sim import SimEngine, SimProbe
 from quiesce.registry import (
@@ -14,7 +15,6 @@ from quiesce.registry import (
     register_adapter,
     unregister_adapter,
 )
-
 from tests.unit.test_probe import FakeProbe
 
 

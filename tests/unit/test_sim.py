@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from quiesce import ConfigError, Role, Verdict
 from quiesce.adapters.sim import (
     KVFate,

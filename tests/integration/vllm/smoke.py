@@ -61,7 +61,6 @@ def engine_kwargs(model: Path) -> dict[str, Any]:
 
 
 async def run_async(model: Path) -> None:
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -70,77 +69,85 @@ async def run_async(model: Path) -> None:
     startup = time.perf_counter() - t0
     report(variant="async", startup_s=f"{startup:.1f}", client=type(engine.engine_core).__name__)
     try:
-        idle_before = await engine.engine_core.call_utility_async("has_work")
-        report(phase="before", has_work=idle_before,
-               unfinished=engine.output_processor.get_num_unfinished_requests())
-
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-        first_token = asyncio.Event()
-        llm = engine
-
-        async def one(tag: str, i: int) -> int:
-            tokens = 0
-            async for out in llm.generate(PROMPT, params, request_id=f"smoke-{tag}-{i}"):
-                tokens = len(out.outputs[0].token_ids)
-                first_token.set()
-            return tokens
-
-        # Round 1, throughput: nothing else runs on the loop (2 cores are easily shared).
-        for tag in ("warmup", "timed"):
-            t1 = time.perf_counter()
-            counts = await asyncio.gather(*(one(tag, i) for i in range(NUM_REQUESTS)))
-            elapsed = time.perf_counter() - t1
-            assert counts == [MAX_TOKENS] * NUM_REQUESTS, counts
-        total = sum(counts)
-        report(variant="async", requests=NUM_REQUESTS, tokens=total, seconds=f"{elapsed:.2f}",
-               tokens_per_s=f"{total / elapsed:.0f}")
-
-        # Round 2, probes while busy.
-        first_token.clear()
-        busy_probes: list[tuple[bool, int]] = []
-        tasks = [asyncio.create_task(one("probed", i)) for i in range(NUM_REQUESTS)]
-        while engine.output_processor.get_num_unfinished_requests() < NUM_REQUESTS:  # noqa: ASYNC110
-            await asyncio.sleep(0)  # generate() registers the request on its first step
-        # Right after submit: the frontend knows the requests, the engine may not yet.
-        report(phase="submitted", unfinished=engine.output_processor.get_num_unfinished_requests(),
-               has_unfinished=engine.output_processor.has_unfinished_requests(),
-               has_work=await engine.engine_core.call_utility_async("has_work"))
-        await first_token.wait()
-        while not all(t.done() for t in tasks):
-            busy_probes.append((
-                await engine.engine_core.call_utility_async("has_work"),
-                engine.output_processor.get_num_unfinished_requests(),
-            ))
-            await asyncio.sleep(0.005)
-        counts = await asyncio.gather(*tasks)
-        assert counts == [MAX_TOKENS] * NUM_REQUESTS, counts
-        # (has_work, frontend unfinished) -> how often. (False, n > 0) would be the window
-        # where the engine is done but the frontend has not yet processed the outputs.
-        pairs = {p: busy_probes.count(p) for p in sorted(set(busy_probes))}
-        report(phase="busy", probes=len(busy_probes),
-               pairs=",".join(f"{h}/{u}:{n}" for (h, u), n in pairs.items()))
-        assert any(h for h, _ in busy_probes), "has_work was never True while busy"
-
-        # After the last output: `has_work` stays True for one more engine step
-        # (finished_req_ids not yet flushed), then turns False.
-        after = await engine.engine_core.call_utility_async("has_work")
-        t2 = time.perf_counter()
-        settled = after
-        while settled and time.perf_counter() - t2 < 5.0:
-            await asyncio.sleep(0.01)
-            settled = await engine.engine_core.call_utility_async("has_work")
-        report(phase="after", has_work_first=after, has_work_settled=settled,
-               settle_s=f"{time.perf_counter() - t2:.3f}",
-               unfinished=engine.output_processor.get_num_unfinished_requests(),
-               has_unfinished=engine.output_processor.has_unfinished_requests())
-        assert not settled, "has_work still True 5 s after the last output"
-        assert engine.output_processor.get_num_unfinished_requests() == 0
+        await exercise(engine)
     finally:
         # With timeout=None vLLM waits 5 s for EngineCore to exit, then kills it; give it
         # longer so the measurement shows how long a clean exit takes.
         t3 = time.perf_counter()
         engine.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
         report(variant="async", shutdown_s=f"{time.perf_counter() - t3:.2f}")
+        # vLLM keeps a traceback that holds this frame alive until exit; drop the engine
+        # now, or its __del__ -> shutdown() fails during interpreter teardown.
+        del engine
+
+
+async def exercise(engine: Any) -> None:
+    from vllm import SamplingParams
+
+    idle_before = await engine.engine_core.call_utility_async("has_work")
+    report(phase="before", has_work=idle_before,
+           unfinished=engine.output_processor.get_num_unfinished_requests())
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    first_token = asyncio.Event()
+
+    async def one(tag: str, i: int) -> int:
+        tokens = 0
+        async for out in engine.generate(PROMPT, params, request_id=f"smoke-{tag}-{i}"):
+            tokens = len(out.outputs[0].token_ids)
+            first_token.set()
+        return tokens
+
+    # Round 1, throughput, with no probes competing for the machine's 2 cores.
+    for tag in ("warmup", "timed"):
+        t1 = time.perf_counter()
+        counts = await asyncio.gather(*(one(tag, i) for i in range(NUM_REQUESTS)))
+        elapsed = time.perf_counter() - t1
+        assert counts == [MAX_TOKENS] * NUM_REQUESTS, counts
+    total = sum(counts)
+    report(variant="async", requests=NUM_REQUESTS, tokens=total, seconds=f"{elapsed:.2f}",
+           tokens_per_s=f"{total / elapsed:.0f}")
+
+    # Round 2, probes while busy.
+    first_token.clear()
+    busy_probes: list[tuple[bool, int]] = []
+    tasks = [asyncio.create_task(one("probed", i)) for i in range(NUM_REQUESTS)]
+    while engine.output_processor.get_num_unfinished_requests() < NUM_REQUESTS:  # noqa: ASYNC110
+        await asyncio.sleep(0)  # generate() registers the request on its first step
+    # Right after submit: the frontend knows the requests, the engine may not yet.
+    report(phase="submitted", unfinished=engine.output_processor.get_num_unfinished_requests(),
+           has_unfinished=engine.output_processor.has_unfinished_requests(),
+           has_work=await engine.engine_core.call_utility_async("has_work"))
+    await first_token.wait()
+    while not all(t.done() for t in tasks):
+        busy_probes.append((
+            await engine.engine_core.call_utility_async("has_work"),
+            engine.output_processor.get_num_unfinished_requests(),
+        ))
+        await asyncio.sleep(0.005)
+    counts = await asyncio.gather(*tasks)
+    assert counts == [MAX_TOKENS] * NUM_REQUESTS, counts
+    # (has_work, frontend unfinished) -> how often. (False, n > 0) would be the window
+    # where the engine is done but the frontend has not yet processed the outputs.
+    pairs = {p: busy_probes.count(p) for p in sorted(set(busy_probes))}
+    report(phase="busy", probes=len(busy_probes),
+           pairs=",".join(f"{h}/{u}:{n}" for (h, u), n in pairs.items()))
+    assert any(h for h, _ in busy_probes), "has_work was never True while busy"
+
+    # After the last output: `has_work` can stay True for one more engine step
+    # (finished_req_ids not yet flushed); it must turn False soon.
+    after = await engine.engine_core.call_utility_async("has_work")
+    t2 = time.perf_counter()
+    settled = after
+    while settled and time.perf_counter() - t2 < 5.0:
+        await asyncio.sleep(0.01)
+        settled = await engine.engine_core.call_utility_async("has_work")
+    report(phase="after", has_work_first=after, has_work_settled=settled,
+           settle_s=f"{time.perf_counter() - t2:.3f}",
+           unfinished=engine.output_processor.get_num_unfinished_requests(),
+           has_unfinished=engine.output_processor.has_unfinished_requests())
+    assert not settled, "has_work still True 5 s after the last output"
+    assert engine.output_processor.get_num_unfinished_requests() == 0
 
 
 def run_inproc(model: Path) -> None:
@@ -180,9 +187,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="quiesce-tiny-llama-") as tmp:
         model = build_tiny_llama(Path(tmp) / "model")
         asyncio.run(run_async(model))
-        # The engine sits in a reference cycle; collect it while the interpreter is whole,
-        # or its __del__ -> shutdown() fails during interpreter teardown.
-        gc.collect()
+        gc.collect()  # the engine's reference cycles, while the interpreter is whole
         t0 = time.perf_counter()
         env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         rc = subprocess.run(

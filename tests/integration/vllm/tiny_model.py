@@ -79,7 +79,7 @@ def build_tiny_llama(directory: Path) -> Path:
 
     torch.manual_seed(SEED)
     config = LlamaConfig(**CONFIG, dtype="float32")
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config)  # fp32: torch's default dtype
     model.save_pretrained(directory)
 
     tokenizer = Tokenizer(WordLevel(vocab=_vocab(), unk_token="<unk>"))

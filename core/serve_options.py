@@ -1,0 +1,81 @@
+"""Options of ``quiesce serve``, kept apart from the worker so that the CLI (and the
+Kubernetes preStop hook it also serves) starts without importing the HTTP stack."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from quiesce.adapters.sim import SimConfig
+from quiesce.errors import ConfigError
+from quiesce.probe import Role
+from quiesce.shutdown import ShutdownPolicy
+
+ENGINES = ("sim", "vllm")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerOptions:
+    engine: str = "sim"
+    model: str | None = None
+    max_model_len: int = 2048
+    host: str = "127.0.0.1"
+    port: int = 8000
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 8001
+    role: Role = Role.AGGREGATED
+    budget_s: float = 30.0
+    cleanup_reserve_s: float = 5.0
+    router_grace_s: float = 2.0
+    admin_token_file: str | None = None
+    decode_step_s: float = 0.02
+    name: str = "worker"
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError("engine", f"unknown engine {self.engine!r}; one of {ENGINES}")
+        if self.engine == "vllm" and not self.model:
+            raise ConfigError("model", "--engine vllm needs --model PATH")
+        # validate the time model and the budget before anything starts
+        SimConfig(decode_step_s=self.decode_step_s)
+        ShutdownPolicy(total_s=self.budget_s, cleanup_reserve_s=self.cleanup_reserve_s)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = WorkerOptions()
+    parser.add_argument("--engine", choices=ENGINES, default="sim",
+                        help="engine behind the worker: sim (simulated) or vllm "
+                             "(needs quiesce[vllm] and --model)")
+    parser.add_argument("--model", default=None, help="vllm: model directory")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
+                        help="vllm: maximum context length (%(default)s)")
+    parser.add_argument("--host", default=defaults.host, help="serving API address")
+    parser.add_argument("--port", type=int, default=defaults.port, help="serving API port")
+    parser.add_argument("--admin-host", default=defaults.admin_host, help="admin API address")
+    parser.add_argument("--admin-port", type=int, default=defaults.admin_port,
+                        help="admin API port")
+    parser.add_argument("--admin-token-file", default=None,
+                        help="file with the admin bearer token (else $QUIESCE_ADMIN_TOKEN)")
+    parser.add_argument("--role", default=defaults.role.value,
+                        choices=[r.value for r in Role], help="worker role")
+    parser.add_argument("--budget", type=float, default=defaults.budget_s,
+                        help="shutdown budget from SIGTERM to exit, s (%(default)s)")
+    parser.add_argument("--reserve", type=float, default=None,
+                        help="part of the budget kept for abort and cleanup, s "
+                             "(default: a fifth of the budget, at most 5)")
+    parser.add_argument("--router-grace", type=float, default=defaults.router_grace_s,
+                        help="keep admitting this long after unregistering, s (%(default)s)")
+    parser.add_argument("--decode-step", type=float, default=defaults.decode_step_s,
+                        help="sim engine: seconds per decode step (%(default)s)")
+
+
+def options_from_args(args: argparse.Namespace) -> WorkerOptions:
+    """:class:`WorkerOptions` from parsed arguments; raises ConfigError naming the field."""
+    return WorkerOptions(
+        engine=args.engine, model=args.model, max_model_len=args.max_model_len,
+        host=args.host, port=args.port, admin_host=args.admin_host,
+        admin_port=args.admin_port, role=Role.parse(args.role), budget_s=args.budget,
+        cleanup_reserve_s=(args.reserve if args.reserve is not None
+                           else min(5.0, max(args.budget, 0) / 5)),
+        router_grace_s=args.router_grace,
+        admin_token_file=args.admin_token_file, decode_step_s=args.decode_step)
