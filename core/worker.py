@@ -170,7 +170,9 @@ def build_serving(options: WorkerOptions) -> ServingEngine:
         if installed_vllm_version() is None:
             raise EngineNotInstalled("vllm", "vllm", "vllm")
         assert options.model is not None
+        # vLLM's own shutdown must fit in the cleanup reserve (its default is 5 s, then kill).
         return VllmServing(options.model, options.role, max_model_len=options.max_model_len,
+                           shutdown_timeout_s=max(1.0, options.cleanup_reserve_s - 1.0),
                            enforce_eager=True)
     return SimServing(SimConfig(decode_step_s=options.decode_step_s), options.role,
                       options.name)

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 
-def _gpu_reason() -> str | None:
+def gpu_reason() -> str | None:
     """Why GPU tests cannot run here, or None when an NVIDIA GPU answers."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
@@ -28,7 +28,7 @@ def _gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = _gpu_reason()
+    reason = gpu_reason()
     for item in items:
         module = getattr(item, "module", None)
         needed = getattr(module, "REQUIRES", ())

@@ -110,13 +110,15 @@ async def pair(tiny_model: Path) -> AsyncIterator[Pair]:
     prefill = start_engine(tiny_model, "kv_producer", prefill_port)
     try:
         decode = start_engine(tiny_model, "kv_consumer", decode_port)
-        try:
-            engines = Pair(prefill, decode, prefill_port, decode_port)
-            yield engines
-        finally:
-            decode.shutdown()
-    finally:
+    except BaseException:
         prefill.shutdown()
+        raise
+    engines = Pair(prefill, decode, prefill_port, decode_port)
+    try:
+        yield engines
+    finally:  # both at once: each one's teardown takes seconds
+        await asyncio.gather(asyncio.to_thread(decode.shutdown),
+                             asyncio.to_thread(prefill.shutdown))
     # Collect the stopped engines now: left to the interpreter's exit, AsyncLLM.__del__
     # calls shutdown() again after module globals are gone and prints a TypeError.
     engines.prefill = engines.decode = prefill = decode = None

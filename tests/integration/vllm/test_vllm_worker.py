@@ -14,7 +14,7 @@ from tests.integration.worker_process import start_worker, stream_completion
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow]
 
 BUDGET_S = 60.0
 

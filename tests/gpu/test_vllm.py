@@ -1,0 +1,37 @@
+"""vLLM on an H200 with the CUDA build: the same scenarios as on the CPU.
+
+Run by ``ci/gpu/vllm.sh`` (which installs the CUDA vLLM and NIXL); skipped, with the
+reason, where there is no GPU or no vLLM (tests/gpu/conftest.py). The scenarios are the
+CPU tier's own test functions, collected here again so that both tiers can never drift
+apart: busy/idle, KV held by a connector until released, a drain that waits for the KV
+and never lies, abort, drift, the probe after shutdown, a real NIXL prefill/decode pair
+(two engines on one GPU, each with a share of its memory: QUIESCE_GPU_MEMORY_UTILIZATION),
+and SIGTERM to ``quiesce serve --engine vllm`` under streaming load.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from tests.gpu.conftest import gpu_reason
+
+REQUIRES = ("vllm", "nixl")
+
+_why = gpu_reason() or next((f"engine not installed: {m}" for m in REQUIRES
+                             if importlib.util.find_spec(m) is None), None)
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+# Two engines share the GPU in the NIXL pair test.
+os.environ.setdefault("QUIESCE_GPU_MEMORY_UTILIZATION", "0.35")
+
+from tests.integration.vllm.conftest import tiny_model  # noqa: E402, F401 (fixture)
+from tests.integration.vllm.test_nixl_pair import *  # noqa: E402, F403
+from tests.integration.vllm.test_vllm_probe import *  # noqa: E402, F403
+from tests.integration.vllm.test_vllm_worker import *  # noqa: E402, F403
+
+# The star imports brought each module's own marks; this module's are all of them.
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
