@@ -66,8 +66,8 @@ BUSY_TOKENS = 448
 BUSY_PAUSE_S = (0.0, 0.010)
 """Random pause before each busy read, so that reads start at random phases of a step."""
 
-THROUGHPUT_TOKENS = 160
-THROUGHPUT_ROUNDS = 6
+THROUGHPUT_TOKENS = 96
+THROUGHPUT_ROUNDS = 8
 """Rounds per condition (without / with the probe poller), in ABBA order."""
 POLL_INTERVAL_S = 0.010
 
@@ -501,6 +501,11 @@ def _result(m: Measured) -> Result:
     default_lags = [d.lag_s for d in m.default_drains]
     tuned_lags = [d.lag_s for d in m.tuned_drains]
     ratio = round(median(polled_tps) / median(plain_tps), 4)
+    # each "with" round against the "without" round next to it in the ABBA order
+    paired = [b.tokens_per_s / a.tokens_per_s for a, b in itertools.pairwise(m.rounds)
+              if not a.polled and b.polled]
+    paired += [b.tokens_per_s / a.tokens_per_s for b, a in itertools.pairwise(m.rounds)
+               if b.polled and not a.polled]
 
     metrics: dict[str, float] = {
         "probe_idle_p50_ms": _ms(m.idle.detailed, 50),
@@ -522,6 +527,7 @@ def _result(m: Measured) -> Result:
         "throughput_tokens_per_s": round(median(plain_tps), 1),
         "throughput_probe_10ms_tokens_per_s": round(median(polled_tps), 1),
         "throughput_ratio_probe_10ms": ratio,
+        "throughput_ratio_probe_10ms_paired_median": round(median(paired), 4),
         "poll_10ms_read_p50_ms": _ms(poll_reads, 50),
         "detection_lag_p50_ms": _ms(default_lags, 50),
         "detection_lag_p99_ms": _ms(default_lags, 99),
@@ -640,7 +646,9 @@ def _result(m: Measured) -> Result:
             "reading the default VllmProbe on a fixed 10 ms grid (a read longer than the "
             "interval starts the next at once), in ABBA order after one warm-up round; "
             "tokens/s = all tokens / round wall time; ratio = median(with) / median(without). "
-            "On 2 shared cores, round-to-round noise is a few percent (see parameters).",
+            "throughput_ratio_probe_10ms_paired_median: the median of the ratios of each "
+            "'with' round to its neighbouring 'without' rounds (less sensitive to load that "
+            "drifts during the run). Round-to-round noise: see parameters.",
             f"detection_lag_*: {DETECT_DRAINS} drains (after {DETECT_WARMUP} warm-up) with "
             f"the default DrainConfig except router_grace_s=0. Each: {DETECT_REQUESTS} "
             f"requests of {DETECT_TOKENS} tokens admitted through an AdmissionGate run to "
