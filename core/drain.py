@@ -5,8 +5,8 @@ and each returning a :class:`StageReport`:
 
 - :func:`wait_admitted_zero` wakes on the gate's zero event (no polling);
 - :func:`wait_quiescent` reads the probe, then waits for the probe's change event
-  where it offers one, otherwise polls with a short doubling backoff (1 ms up to a
-  few tens of ms, reset whenever the pending work changes). Never a fixed sleep.
+  where it offers one, otherwise polls with a short doubling backoff (1 ms up to
+  8 ms, reset whenever the pending work changes). Never a fixed sleep.
 
 The lifecycle strings these together with unregister, router grace and closing
 admission (see :mod:`quiesce.lifecycle`). Nothing here changes worker state.
@@ -102,14 +102,16 @@ class DrainConfig:
     ``router_grace_s``: after unregistering, keep admitting this long, because routers
     that already picked this worker are still sending. ``budget_s``: default bound of
     an admin drain (``None``: until resumed). ``heartbeat_s``: how often a long wait
-    logs the pending work.
+    logs the pending work. ``poll_base_s``/``poll_cap_s``: the backoff of probes that
+    cannot notify; the 8 ms cap keeps detection within a vLLM engine step plus a few ms
+    (``make bench``: ``bench/results/vllm.json``) for one cheap utility call per read.
     """
 
     router_grace_s: float = 2.0
     budget_s: float | None = None
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
     poll_base_s: float = 0.001
-    poll_cap_s: float = 0.032
+    poll_cap_s: float = 0.008
     heartbeat_s: float = 5.0
 
     def __post_init__(self) -> None:
