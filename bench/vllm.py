@@ -19,6 +19,11 @@ finished request's KV blocks until a ``release`` file exists) serves every phase
    :class:`~quiesce.lifecycle.Lifecycle` drains with a prefill-role probe, the release
    file is created at ``t0``; lag = the ``drained`` transition instant - ``t0``.
 
+The model worker's OpenMP threads are pinned to one CPU, the frontend and EngineCore get
+the rest (as on a GPU server); a second engine with vLLM's default binding repeats
+phase 3 when time allows. Other processes' CPU use is recorded per phase: on a shared
+2-CPU machine it moves every figure here.
+
 Writes ``bench/results/vllm.json`` (format: :mod:`bench.results_format`).
 """
 
@@ -67,8 +72,8 @@ BUSY_TOKENS = 448
 BUSY_PAUSE_S = (0.0, 0.010)
 """Random pause before each busy read, so that reads start at random phases of a step."""
 
-THROUGHPUT_TOKENS = 96
-THROUGHPUT_ROUNDS = 8
+THROUGHPUT_TOKENS = 64
+THROUGHPUT_ROUNDS = 10
 """Rounds per condition (without / with the probe poller), in ABBA order."""
 POLL_INTERVAL_S = 0.010
 
@@ -80,6 +85,15 @@ RELEASE_DELAY_S = (0.15, 0.30)
 """The release comes this long after the drain started (a decoder pulls at a time the
 prefill worker cannot know); by then the drain's poll backoff has reached its cap."""
 TUNED_POLL_CAP_S = 0.002
+WORKER_CPUS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+UNPINNED = "auto"
+"""vLLM's default binding: on 2 CPUs the worker's 2 OpenMP threads use both of them."""
+UNPINNED_ROUNDS = 6
+SECOND_ENGINE_BEFORE_S = 120.0
+"""The unpinned comparison (a second engine start) runs only if the main measurements
+ended within this many seconds, to keep the benchmark within about 4 minutes."""
+QUIET_OTHER_LOAD = 0.05
+"""A throughput round counts as quiet if other processes used under 5% of the CPUs."""
 
 TARGET_IDLE_P99_MS = 1.0
 TARGET_BUSY_MARGIN_MS = 1.0
@@ -98,11 +112,63 @@ def _ms(values: Sequence[float], q: float) -> float:
     return round(percentile(values, q) * 1e3, 4)
 
 
+# -- other load on the machine ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSample:
+    at: float
+    machine_busy: int
+    """Busy clock ticks of every CPU together (/proc/stat: all but idle and iowait)."""
+    ours: int
+    """Clock ticks used by this process and its live descendants (the engine's processes)."""
+
+
+def _cpu_sample() -> CpuSample:
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:9]]
+    machine_busy = sum(fields) - fields[3] - fields[4]
+    parents: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            text = Path("/proc", entry, "stat").read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        rest = text[text.rindex(")") + 2:].split()
+        parents[int(entry)] = int(rest[1])
+        ticks[int(entry)] = int(rest[11]) + int(rest[12])
+    ours = {os.getpid()}
+    grew = True
+    while grew:
+        found = {pid for pid, ppid in parents.items() if ppid in ours} - ours
+        grew = bool(found)
+        ours |= found
+    return CpuSample(time.monotonic(), machine_busy, sum(ticks.get(pid, 0) for pid in ours))
+
+
+def _other_load(before: CpuSample, after: CpuSample) -> float:
+    """Share of all CPUs that other processes used between two samples (0 to 1)."""
+    available = (after.at - before.at) * os.sysconf("SC_CLK_TCK") * (os.cpu_count() or 1)
+    other = (after.machine_busy - before.machine_busy) - (after.ours - before.ours)
+    return max(0.0, other / available) if available > 0 else 0.0
+
+
 # -- the engine ---------------------------------------------------------------------------
 
 
+def _pinned_worker_cpus() -> str:
+    """The last CPU this process may use, for the model worker alone; "auto" if only one."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[-1]) if len(cpus) >= 2 else UNPINNED
+
+
 def _prepare_environment() -> None:
-    """Offline, small KV cache, and the repo importable by spawned engine processes."""
+    """Offline, small KV cache, the repo importable by spawned engine processes, and the
+    model worker's OpenMP threads pinned to a CPU of their own (unless the caller chose)."""
+    os.environ.setdefault(WORKER_CPUS_ENV, _pinned_worker_cpus())
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -134,6 +200,20 @@ def _release(release_dir: Path) -> None:
 
 def _hold(release_dir: Path) -> None:
     (release_dir / "release").unlink(missing_ok=True)
+
+
+async def _settle(probe: VllmProbe, release_dir: Path, timeout_s: float = 30.0) -> None:
+    """Release any held KV and wait until the engine is quiescent.
+
+    A stream ends in the frontend before EngineCore's next step has freed (or, with the
+    release file present, released) its KV: holding again at once would keep it.
+    """
+    _release(release_dir)
+    deadline = time.monotonic() + timeout_s
+    while not (work := await probe.pending_work()).is_quiescent:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine did not settle: {work.summary()}")
+        await asyncio.sleep(0.001)
 
 
 @dataclasses.dataclass
@@ -216,6 +296,9 @@ class IdleSamples:
     frontend: list[float] = dataclasses.field(default_factory=list)
     utility: list[float] = dataclasses.field(default_factory=list)
     back_to_back: list[float] = dataclasses.field(default_factory=list)
+    cpu_per_read_s: float = 0.0
+    """CPU time of this process and the engine's processes per back-to-back read."""
+    frontend_cpu_per_read_s: float = 0.0
     not_quiescent: int = 0
 
 
@@ -246,14 +329,21 @@ async def _idle(llm: Any, detailed: VllmProbe, has_work: VllmProbe) -> IdleSampl
         took = time.perf_counter() - begin
         if keep:
             samples.utility.append(took)
-    for i in range(IDLE_WARMUP_READS + IDLE_READS):  # no pause: the engine's threads stay warm
+    for _ in range(IDLE_WARMUP_READS):
+        await detailed.pending_work()
+    # No pause: the engine's threads stay awake. Also the CPU time these reads cost.
+    cpu_before, frontend_before = _cpu_sample(), time.process_time()
+    for _ in range(IDLE_READS):
         begin = time.perf_counter()
         work = await detailed.pending_work()
         took = time.perf_counter() - begin
         if work.verdict is not Verdict.QUIESCENT:
             samples.not_quiescent += 1
-        elif i >= IDLE_WARMUP_READS:
-            samples.back_to_back.append(took)
+        samples.back_to_back.append(took)
+    cpu_after, frontend_after = _cpu_sample(), time.process_time()
+    samples.cpu_per_read_s = ((cpu_after.ours - cpu_before.ours)
+                              / os.sysconf("SC_CLK_TCK") / IDLE_READS)
+    samples.frontend_cpu_per_read_s = (frontend_after - frontend_before) / IDLE_READS
     return samples
 
 
@@ -334,6 +424,11 @@ class Round:
     engine_steps: list[float]
     frontend_steps: list[float]
     poll_reads: list[float]
+    other_load: float
+
+    @property
+    def step_s(self) -> float:
+        return median(self.engine_steps)
 
 
 async def _poll(probe: VllmProbe, stop: asyncio.Event, into: list[float]) -> None:
@@ -351,18 +446,21 @@ async def _one_round(llm: Any, probe: VllmProbe | None) -> Round:
     load = Load(llm, STREAMS, THROUGHPUT_TOKENS)
     reads: list[float] = []
     stop = asyncio.Event()
+    before = _cpu_sample()
     poller = (asyncio.create_task(_poll(probe, stop, reads)) if probe is not None else None)
     tokens_per_s = await load.run()
+    after = _cpu_sample()
     stop.set()
     if poller is not None:
         await poller
     engine, frontend = load.trace.step_intervals()
-    return Round(probe is not None, tokens_per_s, engine, frontend, reads)
+    return Round(probe is not None, tokens_per_s, engine, frontend, reads,
+                 _other_load(before, after))
 
 
-async def _throughput(llm: Any, probe: VllmProbe) -> list[Round]:
+async def _throughput(llm: Any, probe: VllmProbe, rounds: int) -> list[Round]:
     await _one_round(llm, None)  # warm-up
-    order = "ABBA" * (THROUGHPUT_ROUNDS // 2)
+    order = "ABBA" * (rounds // 2)
     return [await _one_round(llm, probe if condition == "B" else None) for condition in order]
 
 
@@ -381,8 +479,9 @@ class Drain:
 
 async def _detect_once(llm: Any, release_dir: Path, config: DrainConfig,
                        rng: random.Random, index: int) -> Drain:
-    _hold(release_dir)
     probe = VllmProbe(llm, Role.PREFILL)
+    await _settle(probe, release_dir)
+    _hold(release_dir)
     gate = AdmissionGate()
     # wall_clock=time.monotonic: Status.since is the monotonic instant of the transition.
     lifecycle = Lifecycle(gate=gate, probe=probe, discovery=InMemoryDiscovery(f"p-{index}"),
@@ -437,6 +536,7 @@ async def _release_floor(llm: Any, release_dir: Path) -> list[float]:
     probe = VllmProbe(llm, Role.PREFILL)
     lags: list[float] = []
     for _ in range(DETECT_WARMUP + DETECT_DRAINS):
+        await _settle(probe, release_dir)
         _hold(release_dir)
         await asyncio.gather(*(_generate(llm, DETECT_TOKENS) for _ in range(DETECT_REQUESTS)))
         if (await probe.pending_work()).kv_sends_held != DETECT_REQUESTS:
@@ -463,6 +563,10 @@ class Measured:
     startup_s: float
     load_before: tuple[float, float, float]
     load_after: tuple[float, float, float]
+    other_load: dict[str, float]
+    """Per phase: the share of all CPUs other processes used (see :func:`_other_load`)."""
+    worker_cpus: str = UNPINNED
+    unpinned: Unpinned | None = None
 
 
 async def _phases(llm: Any, release_dir: Path, startup: float,
@@ -470,29 +574,36 @@ async def _phases(llm: Any, release_dir: Path, startup: float,
     detailed = VllmProbe(llm, Role.PREFILL)
     has_work = VllmProbe(llm, Role.PREFILL, detailed=False)
     await _generate(llm, 16)  # warm the engine and the plugin path
+    await _settle(detailed, release_dir)
     first = await detailed.pending_work()
     signals = [v for k, v in first.details.items() if k.endswith("signal")]
     if "quiesce_snapshot" not in signals or not first.is_quiescent:
         raise RuntimeError(f"the plugin's snapshot did not answer: {first.summary()}")
-    mark = time.monotonic()
+    other_load: dict[str, float] = {}
+    mark = _cpu_sample()
 
-    def phase(what: str) -> None:
+    def phase(name: str, what: str) -> None:
         nonlocal mark
-        _log(f"{what} ({time.monotonic() - mark:.1f}s)")
-        mark = time.monotonic()
+        now = _cpu_sample()
+        other_load[name] = _other_load(mark, now)
+        _log(f"{what} ({now.at - mark.at:.1f}s, other processes used "
+             f"{other_load[name]:.0%} of the CPUs)")
+        mark = now
 
     idle = await _idle(llm, detailed, has_work)
-    phase("idle reads done")
+    phase("idle", "idle reads done")
     busy = await _busy(llm, detailed, has_work)
-    phase(f"busy reads done, {busy.waves} waves")
-    rounds = await _throughput(llm, VllmProbe(llm, Role.PREFILL))
-    phase("throughput rounds done")
+    await _settle(detailed, release_dir)
+    phase("busy", f"busy reads done, {busy.waves} waves")
+    rounds = await _throughput(llm, VllmProbe(llm, Role.PREFILL), THROUGHPUT_ROUNDS)
+    await _settle(detailed, release_dir)
+    phase("throughput", "throughput rounds done")
     default_drains = await _detect(llm, release_dir, DEFAULT_DRAIN, 3)
     tuned_drains = await _detect(llm, release_dir, TUNED_DRAIN, 4)
     floor = await _release_floor(llm, release_dir)
-    phase("detection drains done")
+    phase("detection", "detection drains done")
     return Measured(idle, busy, rounds, default_drains, tuned_drains, floor, startup,
-                    load_before, os.getloadavg())
+                    load_before, os.getloadavg(), other_load)
 
 
 async def _measure(model: Path, release_dir: Path) -> Measured:
@@ -509,6 +620,50 @@ async def _measure(model: Path, release_dir: Path) -> Measured:
         # vLLM keeps a frame of the engine's start-up alive, and through it this frame:
         # drop the reference, or AsyncLLM.__del__ runs during interpreter teardown.
         del llm
+
+
+@dataclasses.dataclass
+class Unpinned:
+    """The throughput comparison again, with vLLM's default worker binding."""
+
+    rounds: list[Round]
+    other_load: float
+    startup_s: float
+
+
+async def _unpinned(model: Path, release_dir: Path) -> Unpinned:
+    os.environ[WORKER_CPUS_ENV] = UNPINNED
+    _release(release_dir)
+    started = time.monotonic()
+    llm = _start_engine(model, release_dir)
+    try:
+        startup = time.monotonic() - started
+        probe = VllmProbe(llm, Role.PREFILL)
+        await _generate(llm, 16)
+        await _settle(probe, release_dir)
+        before = _cpu_sample()
+        rounds = await _throughput(llm, probe, UNPINNED_ROUNDS)
+        other = _other_load(before, _cpu_sample())
+        _log(f"unpinned throughput rounds done (engine started in {startup:.1f}s, other "
+             f"processes used {other:.0%} of the CPUs)")
+        return Unpinned(rounds, other, startup)
+    finally:
+        llm.shutdown()
+        del llm
+
+
+async def _measure_all(model: Path, release_dir: Path) -> Measured:
+    started = time.monotonic()
+    measured = await _measure(model, release_dir)
+    pinned = os.environ.get(WORKER_CPUS_ENV, UNPINNED)
+    measured.worker_cpus = pinned
+    if pinned == UNPINNED:
+        _log("the worker was not pinned: no unpinned comparison")
+    elif time.monotonic() - started > SECOND_ENGINE_BEFORE_S:
+        _log("no time left for the unpinned comparison (the machine is slow now)")
+    else:
+        measured.unpinned = await _unpinned(model, release_dir)
+    return measured
 
 
 def _versions() -> dict[str, str]:
@@ -529,29 +684,69 @@ def run() -> Result:
         model = build_tiny_llama(Path(tmp) / "tiny-llama")
         release_dir = Path(tmp) / "release"
         release_dir.mkdir()
-        measured = asyncio.run(_measure(model, release_dir))
+        measured = asyncio.run(_measure_all(model, release_dir))
         gc.collect()  # finalize the engine now, not during interpreter teardown
     return _result(measured)
+
+
+def _compare(rounds: Sequence[Round]) -> dict[str, float]:
+    """Without / with the poller: tokens/s and step ratios, and the two step medians."""
+    plain = [r for r in rounds if not r.polled]
+    polled = [r for r in rounds if r.polled]
+    step = median([s for r in plain for s in r.engine_steps])
+    polled_step = median([s for r in polled for s in r.engine_steps])
+    # each "with" round against its neighbouring "without" rounds in the ABBA order
+    paired = [b.tokens_per_s / a.tokens_per_s for a, b in itertools.pairwise(rounds)
+              if not a.polled and b.polled]
+    paired += [b.tokens_per_s / a.tokens_per_s for b, a in itertools.pairwise(rounds)
+               if b.polled and not a.polled]
+    return {
+        "ratio": round(median([r.tokens_per_s for r in polled])
+                       / median([r.tokens_per_s for r in plain]), 4),
+        "paired": round(median(paired), 4),
+        "from_step": round(step / polled_step, 4),
+        "step_ms": round(step * 1e3, 4),
+        "polled_step_ms": round(polled_step * 1e3, 4),
+        "tokens_per_s": round(median([r.tokens_per_s for r in plain]), 1),
+        "spread": round((percentile([r.tokens_per_s for r in plain], 75)
+                         - percentile([r.tokens_per_s for r in plain], 25))
+                        / median([r.tokens_per_s for r in plain]), 4),
+        "polled_tokens_per_s": round(median([r.tokens_per_s for r in polled]), 1),
+    }
+
+
+def _rounds_table(rounds: Sequence[Round]) -> list[dict[str, object]]:
+    return [{"probe_10ms": r.polled, "tokens_per_s": round(r.tokens_per_s, 1),
+             "engine_step_ms": round(r.step_s * 1e3, 3), "poll_reads": len(r.poll_reads),
+             "other_load": round(r.other_load, 3)} for r in rounds]
 
 
 def _result(m: Measured) -> Result:
     plain = [r for r in m.rounds if not r.polled]
     polled = [r for r in m.rounds if r.polled]
-    plain_tps = [r.tokens_per_s for r in plain]
-    polled_tps = [r.tokens_per_s for r in polled]
+    compared = _compare(m.rounds)
     engine_steps = [s for r in plain for s in r.engine_steps]
-    polled_steps = [s for r in polled for s in r.engine_steps]
     frontend_steps = [s for r in plain for s in r.frontend_steps]
     poll_reads = [s for r in polled for s in r.poll_reads]
-    step_ms = round(median(engine_steps) * 1e3, 4)
+    step_ms = compared["step_ms"]
+    quiet_plain = [r.tokens_per_s for r in plain if r.other_load < QUIET_OTHER_LOAD]
+    quiet_polled = [r.tokens_per_s for r in polled if r.other_load < QUIET_OTHER_LOAD]
+    quiet_ratio = (round(median(quiet_polled) / median(quiet_plain), 4)
+                   if min(len(quiet_plain), len(quiet_polled)) >= 3 else None)
+    missed = sum(a > 0.5 * step_ms / 1e3 for a in m.busy.after_step)
     default_lags = [d.lag_s for d in m.default_drains]
     tuned_lags = [d.lag_s for d in m.tuned_drains]
-    ratio = round(median(polled_tps) / median(plain_tps), 4)
-    # each "with" round against the "without" round next to it in the ABBA order
-    paired = [b.tokens_per_s / a.tokens_per_s for a, b in itertools.pairwise(m.rounds)
-              if not a.polled and b.polled]
-    paired += [b.tokens_per_s / a.tokens_per_s for b, a in itertools.pairwise(m.rounds)
-               if b.polled and not a.polled]
+    ratio = compared["ratio"]
+    unpinned: dict[str, float] = {}
+    if m.unpinned is not None:
+        u = _compare(m.unpinned.rounds)
+        unpinned = {
+            "throughput_ratio_probe_10ms_unpinned": u["ratio"],
+            "throughput_ratio_probe_10ms_unpinned_from_step_median": u["from_step"],
+            "engine_step_unpinned_ms": u["step_ms"],
+            "engine_step_probe_10ms_unpinned_ms": u["polled_step_ms"],
+            "other_load_unpinned_fraction": round(m.unpinned.other_load, 4),
+        }
 
     metrics: dict[str, float] = {
         "probe_idle_p50_ms": _ms(m.idle.detailed, 50),
@@ -560,6 +755,8 @@ def _result(m: Measured) -> Result:
         "probe_idle_has_work_p99_ms": _ms(m.idle.has_work, 99),
         "probe_idle_back_to_back_p50_ms": _ms(m.idle.back_to_back, 50),
         "probe_idle_back_to_back_p99_ms": _ms(m.idle.back_to_back, 99),
+        "probe_cpu_per_read_ms": round(m.idle.cpu_per_read_s * 1e3, 4),
+        "probe_cpu_per_read_frontend_ms": round(m.idle.frontend_cpu_per_read_s * 1e3, 4),
         "frontend_count_idle_p99_us": round(percentile(m.idle.frontend, 99) * 1e6, 3),
         "utility_round_trip_idle_p50_ms": _ms(m.idle.utility, 50),
         "utility_round_trip_idle_p99_ms": _ms(m.idle.utility, 99),
@@ -569,15 +766,20 @@ def _result(m: Measured) -> Result:
         "probe_busy_has_work_p99_ms": _ms(m.busy.has_work, 99),
         "probe_busy_after_step_p50_ms": _ms(m.busy.after_step, 50),
         "probe_busy_after_step_p99_ms": _ms(m.busy.after_step, 99),
+        "probe_busy_waited_extra_step_fraction": round(missed / len(m.busy.after_step), 4),
         "engine_step_ms": step_ms,
         "engine_step_p99_ms": _ms(engine_steps, 99),
-        "engine_step_probe_10ms_ms": _ms(polled_steps, 50),
+        "engine_step_probe_10ms_ms": compared["polled_step_ms"],
         "engine_step_busy_probe_ms": _ms(m.busy.engine_steps, 50),
         "frontend_inter_token_ms": _ms(frontend_steps, 50),
-        "throughput_tokens_per_s": round(median(plain_tps), 1),
-        "throughput_probe_10ms_tokens_per_s": round(median(polled_tps), 1),
+        "throughput_tokens_per_s": compared["tokens_per_s"],
+        "throughput_probe_10ms_tokens_per_s": compared["polled_tokens_per_s"],
         "throughput_ratio_probe_10ms": ratio,
-        "throughput_ratio_probe_10ms_paired_median": round(median(paired), 4),
+        "throughput_ratio_probe_10ms_paired_median": compared["paired"],
+        "throughput_round_spread_fraction": compared["spread"],
+        "throughput_ratio_probe_10ms_from_step_median": compared["from_step"],
+        **({"throughput_ratio_probe_10ms_quiet_rounds": quiet_ratio}
+           if quiet_ratio is not None else {}),
         "poll_10ms_read_p50_ms": _ms(poll_reads, 50),
         "detection_lag_p50_ms": _ms(default_lags, 50),
         "detection_lag_p99_ms": _ms(default_lags, 99),
@@ -587,13 +789,16 @@ def _result(m: Measured) -> Result:
         "detection_lag_poll_cap_2ms_p99_ms": _ms(tuned_lags, 99),
         "release_to_quiescent_read_p50_ms": _ms(m.floor, 50),
         "release_to_quiescent_read_p99_ms": _ms(m.floor, 99),
+        **{f"other_load_{name}_fraction": round(v, 4) for name, v in m.other_load.items()},
+        **unpinned,
         "idle_reads_not_quiescent_count": m.idle.not_quiescent,
         "busy_reads_not_busy_count": m.busy.not_busy,
         "engine_startup_s": round(m.startup_s, 2),
     }
     units = {k: ("ms" if k.endswith("_ms") else "us" if k.endswith("_us")
                  else "tokens/s" if k.endswith("_per_s") else "s" if k.endswith("_s")
-                 else "count" if k.endswith("_count") else "ratio") for k in metrics}
+                 else "count" if k.endswith("_count")
+                 else "fraction" if k.endswith("_fraction") else "ratio") for k in metrics}
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT met"
@@ -611,13 +816,21 @@ def _result(m: Measured) -> Result:
         f"(detailed {metrics['probe_busy_p99_ms']:g} ms, has_work-only "
         f"{metrics['probe_busy_has_work_p99_ms']:g} ms, with {STREAMS} streams decoding; "
         f"engine step median {step_ms:g} ms, p99 {metrics['engine_step_p99_ms']:g} ms). "
-        f"Read by read, the time a read took after the step it waited for ended: p99 "
-        f"{metrics['probe_busy_after_step_p99_ms']:g} ms "
-        f"({verdict(metrics['probe_busy_after_step_p99_ms'] <= TARGET_BUSY_MARGIN_MS)} "
-        f"against the {TARGET_BUSY_MARGIN_MS:g} ms margin).",
+        f"Read by read, beyond the end of the step it waited for: p50 "
+        f"{metrics['probe_busy_after_step_p50_ms']:g} ms, p99 "
+        f"{metrics['probe_busy_after_step_p99_ms']:g} ms; "
+        f"{metrics['probe_busy_waited_extra_step_fraction']:.1%} of reads waited one extra "
+        "step.",
         f"Target: throughput ratio with a 10 ms probe poller >= {TARGET_THROUGHPUT_RATIO:g}: "
         f"{verdict(ratio >= TARGET_THROUGHPUT_RATIO)} (ratio of medians {ratio:g}; "
-        f"{len(plain)} rounds each).",
+        f"{len(plain)} rounds each; paired "
+        f"{metrics['throughput_ratio_probe_10ms_paired_median']:g}, "
+        f"from the median step {metrics['throughput_ratio_probe_10ms_from_step_median']:g}; "
+        f"model worker pinned to CPU {m.worker_cpus}). " + (
+            f"With vLLM's default binding (worker threads on every CPU): ratio "
+            f"{unpinned['throughput_ratio_probe_10ms_unpinned']:g}, from the median step "
+            f"{unpinned['throughput_ratio_probe_10ms_unpinned_from_step_median']:g}."
+            if unpinned else "The comparison with vLLM's default binding did not run."),
         f"Target: detection lag p99 <= one engine step + {TARGET_DETECTION_MARGIN_MS:g} ms "
         f"= {detect_limit:.3g} ms: "
         f"{verdict(metrics['detection_lag_p99_ms'] <= detect_limit)} with the default "
@@ -631,7 +844,8 @@ def _result(m: Measured) -> Result:
             "packages": _versions(),
             "vllm_version": installed_vllm_version() or "not installed",
             "model": "tiny random-weight Llama from tests/integration/vllm/tiny_model.py "
-                     "(2 layers, hidden 64, vocab 512, fp32)",
+                     "(2 layers, hidden 64, vocab 512; fp32 weights, served in vLLM's "
+                     "default dtype)",
             "engine": {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
                        "log_stats": True, "VLLM_CPU_KVCACHE_SPACE": "1",
                        "kv_connector": "HoldingConnector (tests/integration/vllm)"},
@@ -645,11 +859,13 @@ def _result(m: Measured) -> Result:
             "throughput_tokens_per_stream": THROUGHPUT_TOKENS,
             "throughput_rounds_per_condition": len(plain),
             "throughput_order": "ABBA" * (THROUGHPUT_ROUNDS // 2),
-            "throughput_tokens_per_s": {
-                "without_probe": [round(v, 1) for v in plain_tps],
-                "with_probe_10ms": [round(v, 1) for v in polled_tps]},
+            "throughput_rounds": _rounds_table(m.rounds),
+            "worker_cpus": {WORKER_CPUS_ENV: m.worker_cpus},
+            "unpinned_throughput_rounds": (_rounds_table(m.unpinned.rounds)
+                                           if m.unpinned is not None else None),
+            "unpinned_engine_startup_s": (round(m.unpinned.startup_s, 2)
+                                          if m.unpinned is not None else None),
             "poll_interval_s": POLL_INTERVAL_S,
-            "poll_reads_per_round": [len(r.poll_reads) for r in polled],
             "detect_drains": DETECT_DRAINS, "detect_warmup": DETECT_WARMUP,
             "detect_requests": DETECT_REQUESTS, "detect_tokens": DETECT_TOKENS,
             "release_delay_s": list(RELEASE_DELAY_S),
@@ -673,6 +889,21 @@ def _result(m: Measured) -> Result:
             "await probe.pending_work() in the frontend's event loop. The HoldingConnector "
             "is loaded throughout; outside phase 4 its release file exists, so finished "
             "requests' KV is freed on the next step.",
+            f"CPU placement: the model worker's OpenMP threads are pinned to CPU "
+            f"{m.worker_cpus} ({WORKER_CPUS_ENV}), leaving the other CPU(s) to the frontend "
+            "and EngineCore, as on a GPU server where the model does not compete with them "
+            "for CPUs (vLLM's CPU guide also reserves CPUs for them). vLLM's default here "
+            "('auto') binds the worker's 2 threads to both CPUs of this 2-CPU machine; "
+            "then any extra CPU work in the frontend or EngineCore, the probe's included, "
+            "stalls the worker's OpenMP spin-waits and steps jump from ~5 to ~12 ms in some "
+            "rounds. *_unpinned metrics: the throughput comparison "
+            f"({UNPINNED_ROUNDS} rounds per condition) repeated with a second engine in that "
+            "default binding (skipped when the run is already slow).",
+            "probe_cpu_per_read_ms: CPU time (utime+stime of this process and the engine's "
+            f"processes) per read over the {IDLE_READS} back-to-back idle reads; "
+            "probe_cpu_per_read_frontend_ms: the frontend's part (time.process_time). The "
+            "rest is EngineCore: its input thread, busy loop and output thread each take "
+            "the GIL once per call.",
             f"probe_idle_*: {IDLE_READS} reads per variant (after {IDLE_WARMUP_READS} "
             "warm-up reads) on an idle engine, detailed and has_work alternated, a random "
             f"{IDLE_PAUSE_S[0] * 1e3:g}-{IDLE_PAUSE_S[1] * 1e3:g} ms pause before each. The "
@@ -692,7 +923,10 @@ def _result(m: Measured) -> Result:
             "per read, its end minus the end of the engine step in progress when it began "
             "(EngineCore's output timestamp of that step, same CLOCK_MONOTONIC), i.e. what "
             "the probe costs beyond waiting for the step; reads whose step end is unknown "
-            "(coalesced outputs) are left out (parameters.busy_after_step_unmatched).",
+            "(coalesced outputs) are left out (parameters.busy_after_step_unmatched). "
+            "probe_busy_waited_extra_step_fraction: share of those reads that ended more than "
+            "half a median step after that step: the call reached EngineCore's input queue "
+            "only after the loop had looked at it, so it waited for one more step.",
             "engine_step_ms: median interval between two consecutive tokens of one stream "
             "(stream 0 of each no-probe throughput round, pairs exactly one token apart), "
             "using EngineCore's own timestamps (RequestOutput.metrics.last_token_ts, set when "
@@ -709,7 +943,12 @@ def _result(m: Measured) -> Result:
             "tokens/s = all tokens / round wall time; ratio = median(with) / median(without). "
             "throughput_ratio_probe_10ms_paired_median: the median of the ratios of each "
             "'with' round to its neighbouring 'without' rounds (less sensitive to load that "
-            "drifts during the run). Round-to-round noise: see parameters.",
+            "drifts during the run). throughput_ratio_probe_10ms_from_step_median: "
+            "engine_step_ms / engine_step_probe_10ms_ms, the same comparison from the median "
+            "step time of those rounds (robust to the bursts of other load that dominate "
+            "round wall times here). throughput_round_spread_fraction: the interquartile "
+            "range of the no-probe rounds' tokens/s over their median, the noise against "
+            "which a ratio must be read; every round is in parameters.throughput_rounds.",
             f"detection_lag_*: {DETECT_DRAINS} drains (after {DETECT_WARMUP} warm-up) with "
             f"the default DrainConfig except router_grace_s=0. Each: {DETECT_REQUESTS} "
             f"requests of {DETECT_TOKENS} tokens admitted through an AdmissionGate run to "
@@ -727,15 +966,23 @@ def _result(m: Measured) -> Result:
             "floor any poller can reach here: back-to-back detailed probe reads from t0, lag "
             "= end of the first quiescent read - t0 (connector notice + free + one read).",
             "VllmProbe has no change notification (it is not a ChangeNotifier), so the drain "
-            "polls it with the DrainConfig backoff (poll_base_s 1 ms doubling to poll_cap_s "
-            "32 ms, reset only when the snapshot changes; held KV does not change it). After "
-            "a long hold the lag is therefore up to one poll_cap_s interval plus one read; "
+            "polls it with the DrainConfig backoff (poll_base_s "
+            f"{DEFAULT_DRAIN.poll_base_s * 1e3:g} ms doubling to poll_cap_s "
+            f"{DEFAULT_DRAIN.poll_cap_s * 1e3:g} ms by default, reset only when the snapshot "
+            "changes; held KV does not change it). After a long hold the lag is therefore up "
+            "to one poll_cap_s interval plus one read (plus the connector's notice); "
             f"detection_lag_poll_cap_2ms_* repeats the drains with poll_cap_s="
             f"{TUNED_POLL_CAP_S:g} (one utility call every ~2 ms while draining).",
             f"Machine load (1-minute load average) {m.load_before[0]:.2f} before and "
             f"{m.load_after[0]:.2f} after, on {os.cpu_count()} CPUs: the frontend, EngineCore "
             "and its worker process share them, so any other load (another vLLM engine) "
-            "shows directly in step times, p99 latencies and round-to-round throughput.",
+            "shows directly in step times, p99 latencies and round-to-round throughput. "
+            "other_load_<phase>_fraction: the share of all CPUs that processes other than "
+            "this benchmark and its engine processes used during each phase (/proc/stat busy "
+            "ticks minus this process tree's utime+stime); the same per throughput round in "
+            "parameters.throughput_rounds. throughput_ratio_probe_10ms_quiet_rounds (present "
+            f"only with >= 3 such rounds per condition): the ratio of medians over the rounds "
+            f"where that share stayed under {QUIET_OTHER_LOAD:.0%}.",
             "idle_reads_not_quiescent_count and busy_reads_not_busy_count must be 0 (a "
             "wrong verdict); every drain is also checked not to end before t0.",
             f"vLLM version (results_format records only quiesce): "
@@ -746,8 +993,10 @@ def _result(m: Measured) -> Result:
 
 HEADLINE = ("probe_idle_p50_ms", "probe_idle_p99_ms", "probe_idle_has_work_p99_ms",
             "probe_busy_p99_ms", "probe_busy_has_work_p99_ms", "engine_step_ms",
-            "throughput_ratio_probe_10ms", "detection_lag_p50_ms", "detection_lag_p99_ms",
-            "detection_lag_poll_cap_2ms_p99_ms", "release_to_quiescent_read_p99_ms")
+            "probe_cpu_per_read_ms", "throughput_ratio_probe_10ms",
+            "throughput_ratio_probe_10ms_unpinned", "detection_lag_p50_ms",
+            "detection_lag_p99_ms", "detection_lag_poll_cap_2ms_p99_ms",
+            "release_to_quiescent_read_p99_ms")
 
 
 def main() -> int:

@@ -38,10 +38,13 @@ class Admission:
         self.request_id = request_id
 
     def release(self) -> None:
+        # The hot path: kept to attribute reads and writes (see `make bench`, admission).
         gate = self._gate
         if gate is not None:
             self._gate = None
-            gate._release()
+            gate._inflight -= 1
+            if gate._inflight == 0 and gate._idle_waiters:
+                gate._wake_idle()
 
     @property
     def released(self) -> bool:
@@ -116,10 +119,8 @@ class AdmissionGate:
             if waiter in self._idle_waiters:
                 self._idle_waiters.remove(waiter)
 
-    def _release(self) -> None:
-        self._inflight -= 1
-        if self._inflight == 0 and self._idle_waiters:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+    def _wake_idle(self) -> None:
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
