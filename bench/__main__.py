@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 from bench import admission, drain_lag
-from bench.results_format import RESULTS_DIR, Result, summary, write_result
+from bench.results_format import Result, run_and_report
 
 BENCHMARKS: dict[str, tuple[Callable[[], Result], Sequence[str]]] = {
     drain_lag.NAME: (drain_lag.run, drain_lag.HEADLINE),
@@ -35,16 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      f"choose from {', '.join(BENCHMARKS)}")
     for name in args.names or list(BENCHMARKS):
         benchmark, headline = BENCHMARKS[name]
-        print(f"running {name} ...", flush=True)
-        started = time.monotonic()
-        result = benchmark()
-        path = write_result(result, RESULTS_DIR)
-        print(summary(result, headline))
-        for note in result.notes:
-            if note.startswith("Target"):
-                print(f"  {note}")
-        print(f"  ({time.monotonic() - started:.1f}s; all metrics in "
-              f"{path.relative_to(RESULTS_DIR.parent.parent)})", flush=True)
+        run_and_report(name, benchmark, headline)
     return 0
 
 

@@ -26,7 +26,8 @@ import json
 import math
 import os
 import platform
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -118,3 +119,18 @@ def summary(result: Result, headline: Sequence[str] | None = None) -> str:
     lines = [f"{result.name}:"]
     lines += [f"  {m:<{width}}  {_number(result.metrics[m])} {result.units[m]}" for m in shown]
     return "\n".join(lines)
+
+
+def run_and_report(name: str, benchmark: Callable[[], Result], headline: Sequence[str]) -> Path:
+    """Run one benchmark, write its file, print its summary and targets; returns the path."""
+    print(f"running {name} ...", flush=True)
+    started = time.monotonic()
+    result = benchmark()
+    path = write_result(result, RESULTS_DIR)
+    print(summary(result, headline))
+    for note in result.notes:
+        if note.startswith("Target"):
+            print(f"  {note}")
+    print(f"  ({time.monotonic() - started:.1f}s; all metrics in "
+          f"{path.relative_to(RESULTS_DIR.parent.parent)})", flush=True)
+    return path

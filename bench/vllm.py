@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.results_format import RESULTS_DIR, Result, summary, write_result
+from bench.results_format import Result, run_and_report
 from bench.stats import median, percentile
 from quiesce import AdmissionGate, InMemoryDiscovery, Role, StageOutcome, Verdict
 from quiesce.adapters.vllm import VllmProbe, installed_vllm_version
@@ -1034,16 +1034,7 @@ HEADLINE = ("probe_idle_p50_ms", "probe_idle_p99_ms", "probe_idle_has_work_p99_m
 
 
 def main() -> int:
-    started = time.monotonic()
-    print(f"running {NAME} ...", flush=True)
-    result = run()
-    path = write_result(result, RESULTS_DIR)
-    print(summary(result, HEADLINE))
-    for note in result.notes:
-        if note.startswith("Target"):
-            print(f"  {note}")
-    print(f"  ({time.monotonic() - started:.1f}s; all metrics in "
-          f"{path.relative_to(REPO)})", flush=True)
+    run_and_report(NAME, run, HEADLINE)
     return 0
 
 
