@@ -103,16 +103,18 @@ class VllmProbe(Probe):
         call_all = getattr(client, "call_utility_all_async", None)
         if call_all is not None:
             return list(await call_all(method))
-        if self._data_parallel_size() > 1:
+        if self._data_parallel_size() != 1:
             raise LookupError("this vLLM client cannot call a utility on every DP engine")
         return [await client.call_utility_async(method)]
 
-    def _data_parallel_size(self) -> int:
-        try:
-            return int(self.engine.vllm_config.parallel_config.data_parallel_size_local)
-        except Exception:
-            return int(getattr(getattr(getattr(self.engine, "vllm_config", None),
-                                       "parallel_config", None), "data_parallel_size", 1))
+    def _data_parallel_size(self) -> int | None:
+        """How many DP engines this frontend manages; None if the config cannot be read."""
+        parallel = getattr(getattr(self.engine, "vllm_config", None), "parallel_config", None)
+        for name in ("data_parallel_size_local", "data_parallel_size"):
+            value = getattr(parallel, name, None)
+            if isinstance(value, int) and value >= 1:
+                return value
+        return None
 
     async def _engine_core(self) -> PendingWork:
         use_snapshot = self._detailed is not False
@@ -128,7 +130,10 @@ class VllmProbe(Probe):
                 text += " (EngineCore rejects calls after SIGTERM; read the probe before)"
             return PendingWork.unknown(self.role, ENGINE_SOURCE,
                                        f"EngineCore did not answer {method}: {text}")
-        expected = max(1, self._data_parallel_size())
+        expected = self._data_parallel_size()
+        if expected is None:  # drift: without the size, a missing DP engine goes unseen
+            return PendingWork.unknown(self.role, ENGINE_SOURCE, "cannot read the number of DP "
+                                       "engines (vllm_config.parallel_config)")
         if len(answers) < expected:
             return PendingWork.unknown(self.role, ENGINE_SOURCE,
                                        f"only {len(answers)} of {expected} DP engines answered")

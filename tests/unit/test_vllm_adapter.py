@@ -73,6 +73,15 @@ async def test_missing_dp_answers_are_unknown() -> None:
     assert any("1 of 2 DP engines" in r for r in work.reasons)
 
 
+async def test_unreadable_dp_size_is_unknown() -> None:
+    client = FakeClient({"quiesce_snapshot": [snapshot()]})
+    engine = fake_engine(client)
+    engine.vllm_config = None
+    work = await VllmProbe(engine, Role.PREFILL).pending_work()
+    assert work.verdict is Verdict.UNKNOWN
+    assert any("number of DP engines" in r for r in work.reasons)
+
+
 async def test_frontend_request_not_yet_at_the_engine_is_busy() -> None:
     client = FakeClient({"quiesce_snapshot": [snapshot()]})
     work = await VllmProbe(fake_engine(client, unfinished=1), Role.PREFILL).pending_work()
