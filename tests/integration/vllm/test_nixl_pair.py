@@ -94,9 +94,11 @@ def start_engine(model: Path, kv_role: str, port: int) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+
     args = AsyncEngineArgs(
         model=str(model), tokenizer=str(model), max_model_len=512, enforce_eager=True,
-        disable_log_stats=True,
+        disable_log_stats=True, dtype=ENGINE_DTYPE,
         kv_transfer_config=KVTransferConfig(
             kv_connector="NixlConnector", kv_role=kv_role,
             kv_connector_extra_config={"kv_lease_duration": KV_LEASE_S}))

@@ -44,9 +44,11 @@ async def engine(tiny_model: Path, release_dir: Path) -> AsyncIterator[Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+
     args = AsyncEngineArgs(
         model=str(tiny_model), tokenizer=str(tiny_model), max_model_len=512,
-        enforce_eager=True, disable_log_stats=True,
+        enforce_eager=True, disable_log_stats=True, dtype=ENGINE_DTYPE,
         kv_transfer_config=KVTransferConfig(
             kv_connector="HoldingConnector",
             kv_connector_module_path="tests.integration.vllm.holding_connector",
@@ -88,23 +90,34 @@ async def settle(probe: VllmProbe, release_dir: Path) -> None:
     hold(release_dir)
 
 
-async def test_idle_engine_is_quiescent_and_the_plugin_answers(engine: Any) -> None:
+def signals(work: Any) -> set[Any]:
+    return {v for k, v in work.details.items() if k.endswith("signal")}
+
+
+async def test_idle_engine_is_quiescent_on_the_board_and_by_utility_call(engine: Any) -> None:
     probe = VllmProbe(engine, Role.PREFILL)
     work = await probe.pending_work()
     assert work.verdict is Verdict.QUIESCENT, work.summary()
     assert work.kv_sends_held == 0
-    assert any(v == "quiesce_snapshot" for k, v in work.details.items() if k.endswith("signal"))
+    assert signals(work) == {"board"}, probe.board_off
     assert probe.version == installed_vllm_version()
+    by_call = await VllmProbe(engine, Role.PREFILL, board=False).pending_work()
+    assert by_call.verdict is Verdict.QUIESCENT, by_call.summary()
+    assert signals(by_call) == {"quiesce_snapshot"}
 
 
 async def test_busy_engine_is_not_quiescent(engine: Any, release_dir: Path) -> None:
     probe = VllmProbe(engine, Role.PREFILL)
+    by_call = VllmProbe(engine, Role.PREFILL, board=False)
     started = asyncio.Event()
     streams = [asyncio.create_task(generate(engine, 96, started)) for _ in range(4)]
     await asyncio.wait_for(started.wait(), timeout=60)
-    work = await probe.pending_work()
-    assert work.verdict is Verdict.BUSY, work.summary()
-    assert work.running > 0 or work.waiting > 0  # type: ignore[operator]
+    for reader in (probe, by_call):
+        work = await reader.pending_work()
+        assert work.verdict is Verdict.BUSY, work.summary()
+        assert work.running > 0 or work.waiting > 0  # type: ignore[operator]
+    assert signals(work) == {"quiesce_snapshot"} and signals(await probe.pending_work()) == {
+        "board"}
     assert await asyncio.gather(*streams) == [96] * 4
     await settle(probe, release_dir)
 
@@ -113,14 +126,16 @@ async def test_held_kv_keeps_a_prefill_worker_busy_until_released(engine: Any,
                                                                  release_dir: Path) -> None:
     hold(release_dir)
     detailed = VllmProbe(engine, Role.PREFILL)
+    by_call = VllmProbe(engine, Role.PREFILL, board=False)
     has_work_only = VllmProbe(engine, Role.PREFILL, detailed=False)
     assert await asyncio.gather(*(generate(engine, 8) for _ in range(3))) == [8] * 3
     # every stream has ended: the frontend sees nothing, the engine still holds the KV
     assert engine.output_processor.get_num_unfinished_requests() == 0
-    work = await detailed.pending_work()
-    assert work.verdict is Verdict.BUSY, work.summary()
-    assert work.kv_sends_held == 3
-    assert work.running == 0 and work.waiting == 0
+    for reader in (detailed, by_call):
+        work = await reader.pending_work()
+        assert work.verdict is Verdict.BUSY, work.summary()
+        assert work.kv_sends_held == 3
+        assert work.running == 0 and work.waiting == 0
     coarse = await has_work_only.pending_work()
     assert coarse.verdict is Verdict.BUSY
     assert coarse.engine_has_work is True
@@ -129,6 +144,26 @@ async def test_held_kv_keeps_a_prefill_worker_busy_until_released(engine: Any,
     assert report.outcome is StageOutcome.COMPLETED, last.summary()
     assert last.kv_sends_held == 0
     assert (await has_work_only.pending_work()).is_quiescent
+    hold(release_dir)
+
+
+async def test_the_board_wakes_a_waiter_when_held_kv_is_released(engine: Any,
+                                                                release_dir: Path) -> None:
+    """No polling: each wait ends on a board change (or the test's 60 s guard fails it)."""
+    hold(release_dir)
+    probe = VllmProbe(engine, Role.PREFILL)
+    assert await generate(engine, 8) == 8
+    work = await probe.pending_work()
+    assert work.kv_sends_held == 1, work.summary()
+    release(release_dir)
+    wakes = 0
+    while not work.is_quiescent:
+        await asyncio.wait_for(probe.wait_for_change(work, timeout=3600), timeout=60)
+        wakes += 1
+        work = await probe.pending_work()
+        assert work.verdict is not Verdict.UNKNOWN, work.reasons
+    assert signals(work) == {"board"}
+    assert wakes <= 10, f"{wakes} wake-ups for one release: the notifier spins"
     hold(release_dir)
 
 

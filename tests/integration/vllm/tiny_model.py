@@ -45,6 +45,11 @@ CONFIG: dict[str, Any] = {
     "pad_token_id": 3,
     "tie_word_embeddings": False,
 }
+ENGINE_DTYPE = "float32"
+"""The dtype every test and benchmark engine runs in. vLLM's CPU default is bfloat16, and
+with bfloat16 on a CPU that reports AMX, vLLM 0.32's CPU attention picks its AMX kernel,
+which killed the model worker with SIGILL (exit -4) on this kind of machine (a VM whose
+CPU flags list AMX). float32 selects the AVX-512 kernel."""
 SPEC_FILE = "quiesce_tiny_model.json"
 # Bump when the build changes in a way the config does not show.
 SPEC: dict[str, Any] = {"format": 1, "seed": SEED, "dtype": "float32", "config": CONFIG}
