@@ -61,7 +61,6 @@ from quiesce.lifecycle import Lifecycle, State
 NAME = "vllm"
 REPO = Path(__file__).resolve().parent.parent
 
-MAX_MODEL_LEN = 512
 PROMPT = "hello world"
 STREAMS = 16
 """Concurrent decoding streams of the busy phases."""
@@ -186,11 +185,10 @@ def _start_engine(model: Path, release_dir: Path) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+    from tests.integration.vllm.tiny_model import engine_kwargs
 
     args = AsyncEngineArgs(
-        model=str(model), tokenizer=str(model), max_model_len=MAX_MODEL_LEN,
-        enforce_eager=True, dtype=ENGINE_DTYPE,
+        model=str(model), tokenizer=str(model), **engine_kwargs(),
         disable_log_stats=False,  # RequestOutput.metrics: EngineCore's token timestamps
         kv_transfer_config=KVTransferConfig(
             kv_connector="HoldingConnector",
@@ -774,7 +772,7 @@ def _rounds_table(rounds: Sequence[Round]) -> list[dict[str, object]]:
 
 
 def _result(m: Measured) -> Result:
-    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+    from tests.integration.vllm.tiny_model import engine_kwargs
 
     plain = [r for r in m.rounds if not r.polled]
     polled = [r for r in m.rounds if r.polled]
@@ -918,9 +916,7 @@ def _result(m: Measured) -> Result:
             "vllm_version": installed_vllm_version() or "not installed",
             "model": "tiny random-weight Llama from tests/integration/vllm/tiny_model.py "
                      "(2 layers, hidden 64, vocab 512; fp32 weights, served in float32)",
-            "engine": {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
-                       "dtype": ENGINE_DTYPE,
-                       "log_stats": True, "VLLM_CPU_KVCACHE_SPACE": "1",
+            "engine": {**engine_kwargs(), "log_stats": True, "VLLM_CPU_KVCACHE_SPACE": "1",
                        "kv_connector": "HoldingConnector (tests/integration/vllm)"},
             "streams": STREAMS,
             "idle_reads": IDLE_READS, "idle_pause_s": list(IDLE_PAUSE_S),

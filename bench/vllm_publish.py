@@ -34,10 +34,10 @@ def measure(model: Path, release_dir: Path) -> dict[str, float]:
 
     from quiesce.adapters.vllm.board import BoardWriter, ChangeFifo
     from quiesce.adapters.vllm.plugin import count_pending
-    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+    from tests.integration.vllm.tiny_model import engine_kwargs
 
-    llm = LLM(model=str(model), tokenizer=str(model), max_model_len=512, enforce_eager=True,
-              dtype=ENGINE_DTYPE, kv_transfer_config=KVTransferConfig(
+    llm = LLM(model=str(model), tokenizer=str(model), **engine_kwargs(),
+              kv_transfer_config=KVTransferConfig(
                   kv_connector="HoldingConnector",
                   kv_connector_module_path="tests.integration.vllm.holding_connector",
                   kv_role="kv_producer",

@@ -21,6 +21,7 @@ class WorkerOptions:
     model: str | None = None
     max_model_len: int = 2048
     dtype: str = "auto"
+    gpu_memory_utilization: float | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     admin_host: str = "127.0.0.1"
@@ -40,6 +41,9 @@ class WorkerOptions:
             raise ConfigError("model", "--engine vllm needs --model PATH")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; one of {DTYPES}")
+        share = self.gpu_memory_utilization
+        if share is not None and not 0 < share <= 1:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {share!r}")
         # validate the time model and the budget before anything starts
         SimConfig(decode_step_s=self.decode_step_s)
         ShutdownPolicy(total_s=self.budget_s, cleanup_reserve_s=self.cleanup_reserve_s)
@@ -56,6 +60,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
                         help="vllm: weights and activations dtype (%(default)s: the model's, "
                              "bfloat16 on the CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="vllm: share of the GPU's memory the engine may use "
+                             "(vLLM's default when not given)")
     parser.add_argument("--host", default=defaults.host, help="serving API address")
     parser.add_argument("--port", type=int, default=defaults.port, help="serving API port")
     parser.add_argument("--admin-host", default=defaults.admin_host, help="admin API address")
@@ -80,6 +87,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """:class:`WorkerOptions` from parsed arguments; raises ConfigError naming the field."""
     return WorkerOptions(
         engine=args.engine, model=args.model, max_model_len=args.max_model_len, dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         host=args.host, port=args.port, admin_host=args.admin_host,
         admin_port=args.admin_port, role=Role.parse(args.role), budget_s=args.budget,
         cleanup_reserve_s=(args.reserve if args.reserve is not None

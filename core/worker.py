@@ -173,7 +173,9 @@ def build_serving(options: WorkerOptions) -> ServingEngine:
         # vLLM's own shutdown must fit in the cleanup reserve (its default is 5 s, then kill).
         return VllmServing(options.model, options.role, max_model_len=options.max_model_len,
                            shutdown_timeout_s=max(1.0, options.cleanup_reserve_s - 1.0),
-                           enforce_eager=True, dtype=options.dtype)
+                           enforce_eager=True, dtype=options.dtype,
+                           **({"gpu_memory_utilization": options.gpu_memory_utilization}
+                              if options.gpu_memory_utilization is not None else {}))
     return SimServing(SimConfig(decode_step_s=options.decode_step_s), options.role,
                       options.name)
 

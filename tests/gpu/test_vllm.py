@@ -25,8 +25,10 @@ _why = gpu_reason() or next((f"engine not installed: {m}" for m in REQUIRES
 if _why:
     pytest.skip(_why, allow_module_level=True)
 
-# Two engines share the GPU in the NIXL pair test.
-os.environ.setdefault("QUIESCE_GPU_MEMORY_UTILIZATION", "0.35")
+# Up to four engines share the GPU at once: the collected modules' engines are all
+# module-scoped here (the NIXL pair, the probe tests' engine) and the worker test starts
+# one more in its own process. tests/integration/vllm/tiny_model.py:engine_kwargs reads it.
+os.environ.setdefault("QUIESCE_GPU_MEMORY_UTILIZATION", "0.2")
 
 from tests.integration.vllm.conftest import tiny_model  # noqa: E402, F401 (fixture)
 from tests.integration.vllm.test_nixl_pair import *  # noqa: E402, F403

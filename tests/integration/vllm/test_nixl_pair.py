@@ -94,11 +94,10 @@ def start_engine(model: Path, kv_role: str, port: int) -> Any:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+    from tests.integration.vllm.tiny_model import engine_kwargs
 
     args = AsyncEngineArgs(
-        model=str(model), tokenizer=str(model), max_model_len=512, enforce_eager=True,
-        disable_log_stats=True, dtype=ENGINE_DTYPE,
+        model=str(model), tokenizer=str(model), disable_log_stats=True, **engine_kwargs(),
         kv_transfer_config=KVTransferConfig(
             kv_connector="NixlConnector", kv_role=kv_role,
             kv_connector_extra_config={"kv_lease_duration": KV_LEASE_S}))

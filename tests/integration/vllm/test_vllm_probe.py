@@ -44,11 +44,11 @@ async def engine(tiny_model: Path, release_dir: Path) -> AsyncIterator[Any]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+    from tests.integration.vllm.tiny_model import engine_kwargs
 
     args = AsyncEngineArgs(
-        model=str(tiny_model), tokenizer=str(tiny_model), max_model_len=512,
-        enforce_eager=True, disable_log_stats=True, dtype=ENGINE_DTYPE,
+        model=str(tiny_model), tokenizer=str(tiny_model), disable_log_stats=True,
+        **engine_kwargs(),
         kv_transfer_config=KVTransferConfig(
             kv_connector="HoldingConnector",
             kv_connector_module_path="tests.integration.vllm.holding_connector",

@@ -20,11 +20,14 @@ BUDGET_S = 60.0
 
 
 async def test_sigterm_under_streaming_load_loses_nothing(tiny_model: Path) -> None:
-    from tests.integration.vllm.tiny_model import ENGINE_DTYPE
+    from tests.integration.vllm.tiny_model import engine_kwargs
 
-    with start_worker("--budget", str(BUDGET_S), "--router-grace", "0.2",
-                      engine=("--engine", "vllm", "--model", str(tiny_model),
-                              "--max-model-len", "512", "--dtype", ENGINE_DTYPE),
+    kwargs = engine_kwargs()
+    engine = ["--engine", "vllm", "--model", str(tiny_model),
+              "--max-model-len", str(kwargs["max_model_len"]), "--dtype", kwargs["dtype"]]
+    if "gpu_memory_utilization" in kwargs:
+        engine += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
+    with start_worker("--budget", str(BUDGET_S), "--router-grace", "0.2", engine=tuple(engine),
                       startup_timeout=300) as worker:
         started = asyncio.Event()
         streams = [asyncio.create_task(stream_completion(worker.url, 48, started=started))

@@ -12,6 +12,7 @@ spec. Import this only inside the vLLM environment (it needs torch and transform
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,11 +46,26 @@ CONFIG: dict[str, Any] = {
     "pad_token_id": 3,
     "tie_word_embeddings": False,
 }
+MAX_MODEL_LEN = 512
 ENGINE_DTYPE = "float32"
 """The dtype every test and benchmark engine runs in. vLLM's CPU default is bfloat16, and
 with bfloat16 on a CPU that reports AMX, vLLM 0.32's CPU attention picks its AMX kernel,
 which killed the model worker with SIGILL (exit -4) on this kind of machine (a VM whose
 CPU flags list AMX). float32 selects the AVX-512 kernel."""
+GPU_SHARE_ENV = "QUIESCE_GPU_MEMORY_UTILIZATION"
+"""Set by the GPU suite: the share of the GPU each engine may take (several run at once)."""
+
+
+def engine_kwargs() -> dict[str, Any]:
+    """The engine arguments every test and benchmark engine shares."""
+    kwargs: dict[str, Any] = {"max_model_len": MAX_MODEL_LEN, "enforce_eager": True,
+                              "dtype": ENGINE_DTYPE}
+    share = os.environ.get(GPU_SHARE_ENV)
+    if share:
+        kwargs["gpu_memory_utilization"] = float(share)
+    return kwargs
+
+
 SPEC_FILE = "quiesce_tiny_model.json"
 # Bump when the build changes in a way the config does not show.
 SPEC: dict[str, Any] = {"format": 1, "seed": SEED, "dtype": "float32", "config": CONFIG}
