@@ -3,8 +3,9 @@
 A utility call to EngineCore is answered only between two engine steps, so a probe that
 asks each time waits up to one step plus a trip through two processes. Instead, once a
 probe subscribes, quiesce's plugin (:mod:`.plugin`) writes the scheduler's counts into a
-small memory-mapped file before and after every engine step, and the frontend reads them
-in microseconds. Nothing here imports vLLM or quiesce's core; both sides use this module.
+small memory-mapped file before and after every engine step (and after every client
+request), and the frontend reads them in microseconds. Nothing here imports vLLM or
+quiesce's core; both sides use this module.
 
 Layout (one file per EngineCore, :data:`RECORD_SIZE` bytes, little-endian)::
 
@@ -41,6 +42,7 @@ import dataclasses
 import mmap
 import os
 import struct
+import weakref
 import zlib
 from enum import IntFlag
 
@@ -105,7 +107,8 @@ class BoardWriter:
     def __init__(self, path: str, fifo_path: str, dp_rank: int) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, RECORD_SIZE)
+            # allocate now: a write into a sparse page of a full tmpfs would be SIGBUS
+            os.posix_fallocate(fd, 0, RECORD_SIZE)
             self._map = mmap.mmap(fd, RECORD_SIZE)
         finally:
             os.close(fd)
@@ -208,20 +211,25 @@ class ChangeFifo:
         os.mkfifo(path, 0o600)
         self._read = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         self._keepalive = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        # closes both ends if this object is dropped without close()
+        self._release = weakref.finalize(self, _close_all, self._read, self._keepalive)
         self._waiters: set[asyncio.Future[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
     def drain(self) -> None:
-        """Discard pending signals (call before re-reading the boards)."""
+        """Consume pending signals (call before re-reading the boards) and wake every
+        waiter if there were any, so that no waiter misses a signal another one read."""
         if self._closed:
             return
+        signalled = False
         with contextlib.suppress(BlockingIOError):  # empty: done
             while os.read(self._read, 4096):
-                pass
+                signalled = True
+        if signalled:
+            self._wake()
 
-    def _on_readable(self) -> None:
-        self.drain()
+    def _wake(self) -> None:
         for waiter in self._waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -233,7 +241,7 @@ class ChangeFifo:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[None] = loop.create_future()
         if not self._waiters:
-            loop.add_reader(self._read, self._on_readable)
+            loop.add_reader(self._read, self.drain)
             self._loop = loop
         self._waiters.add(waiter)
         try:
@@ -253,9 +261,11 @@ class ChangeFifo:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(self._read)
             self._loop = None
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        for fd in (self._read, self._keepalive):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._wake()
+        self._release()
+
+
+def _close_all(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

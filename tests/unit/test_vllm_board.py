@@ -116,6 +116,17 @@ async def test_the_fifo_wakes_a_waiter_on_a_change_and_not_otherwise(
     board.close()
 
 
+async def test_a_signal_one_reader_consumed_still_wakes_every_waiter(
+        tmp_path: Path, fifo: ChangeFifo) -> None:
+    board = writer(tmp_path)
+    waiting = asyncio.create_task(fifo.wait(3600))
+    await asyncio.sleep(0)
+    board.publish((0, 1, 0, 0, 0, 0, 1))
+    fifo.drain()  # another caller consumed the byte before the loop saw it
+    await asyncio.wait_for(waiting, 60)
+    board.close()
+
+
 def test_a_board_whose_reader_went_away_is_abandoned(tmp_path: Path) -> None:
     changes = ChangeFifo(str(tmp_path / "changes.fifo"))
     board = writer(tmp_path)
@@ -168,6 +179,14 @@ class FakeEngineCore:
         self.steps += 1
         return {}, False
 
+    def _handle_client_request(self, request_type: str, request: Any) -> Any:
+        """What vLLM's input loop calls: here a utility call or an added request."""
+        if request_type == "add":
+            self.scheduler.add(request, "waiting")
+            return None
+        method, args = request
+        return getattr(vllm_plugin, method)(self, *args)
+
     def shutdown(self) -> None:
         self.stopped = True
 
@@ -181,7 +200,7 @@ class InProcessClient:
 
     async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]:
         self.calls.append(method)
-        return [getattr(vllm_plugin, method)(core, *args) for core in self.cores]
+        return [core._handle_client_request("utility", (method, args)) for core in self.cores]
 
 
 def engine_over(cores: list[FakeEngineCore], unfinished: int = 0) -> Any:
@@ -221,6 +240,32 @@ async def test_the_probe_reads_every_dp_engines_board_without_a_call() -> None:
     assert (await probe.pending_work()).is_quiescent
     assert engine.engine_core.calls == ["quiesce_subscribe"]  # every read came off the board
     assert cores[1].steps == 3
+
+
+async def test_a_request_taken_without_a_step_is_on_the_board_at_once() -> None:
+    """An idle (or paused) EngineCore takes requests without stepping; another frontend's
+    request must not wait for a step to show."""
+    core = FakeEngineCore()
+    probe = VllmProbe(engine_over([core]), Role.AGGREGATED)
+    assert (await probe.pending_work()).is_quiescent
+    core._handle_client_request("add", "from-another-frontend")
+    work = await probe.pending_work()
+    assert work.verdict is Verdict.BUSY and work.waiting == 1
+    assert core.steps == 0
+
+
+async def test_added_dp_engines_are_subscribed_before_the_board_is_trusted() -> None:
+    cores = [FakeEngineCore(0)]
+    engine = engine_over(cores)
+    probe = VllmProbe(engine, Role.PREFILL)
+    assert (await probe.pending_work()).is_quiescent
+    cores.append(FakeEngineCore(1))  # elastic scale-up: one more engine, holding KV
+    cores[1].scheduler.requests["held"] = "held"
+    engine.vllm_config.parallel_config.data_parallel_size_local = 2
+    work = await probe.pending_work()  # this read asks by utility call
+    assert work.verdict is Verdict.BUSY and work.kv_sends_held == 1
+    work = await probe.pending_work()  # and this one reads both boards
+    assert signal_of(work) == {"board"} and work.kv_sends_held == 1
 
 
 async def test_a_waiting_drain_wakes_on_the_step_that_changed_the_counts() -> None:
