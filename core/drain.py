@@ -102,9 +102,10 @@ class DrainConfig:
     ``router_grace_s``: after unregistering, keep admitting this long, because routers
     that already picked this worker are still sending. ``budget_s``: default bound of
     an admin drain (``None``: until resumed). ``heartbeat_s``: how often a long wait
-    logs the pending work. ``poll_base_s``/``poll_cap_s``: the backoff of probes that
-    cannot notify; the 8 ms cap keeps detection within a vLLM engine step plus a few ms
-    (``make bench``: ``bench/results/vllm.json``) for one cheap utility call per read.
+    logs the pending work. ``poll_base_s``/``poll_cap_s``: the backoff between reads of
+    probes that cannot notify (a notifying probe is also read again at least this
+    often); the 8 ms cap keeps a polled vLLM probe within an engine step plus a few ms
+    of the truth (``make bench``: ``bench/results/vllm.json``, ``detection_lag_snapshot``).
     """
 
     router_grace_s: float = 2.0

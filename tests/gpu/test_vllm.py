@@ -4,7 +4,8 @@ Run by ``ci/gpu/vllm.sh`` (which installs the CUDA vLLM and NIXL); skipped, with
 reason, where there is no GPU or no vLLM (tests/gpu/conftest.py). The scenarios are the
 CPU tier's own test functions, collected here again so that both tiers can never drift
 apart: busy/idle, KV held by a connector until released, a drain that waits for the KV
-and never lies, abort, drift, the probe after shutdown, a real NIXL prefill/decode pair
+and never lies, the board waking a drain, abort, drift, the probe after shutdown, two DP
+engines (KV held on the second rank), a real NIXL prefill/decode pair
 (two engines on one GPU, each with a share of its memory: QUIESCE_GPU_MEMORY_UTILIZATION),
 and SIGTERM to ``quiesce serve --engine vllm`` under streaming load.
 """
@@ -25,13 +26,15 @@ _why = gpu_reason() or next((f"engine not installed: {m}" for m in REQUIRES
 if _why:
     pytest.skip(_why, allow_module_level=True)
 
-# Up to four engines share the GPU at once: the collected modules' engines are all
-# module-scoped here (the NIXL pair, the probe tests' engine) and the worker test starts
-# one more in its own process. tests/integration/vllm/tiny_model.py:engine_kwargs reads it.
-os.environ.setdefault("QUIESCE_GPU_MEMORY_UTILIZATION", "0.2")
+# Up to six engines share the GPU at once: the collected modules' engines are all
+# module-scoped here (the NIXL pair, the probe tests' engine, the two DP engines) and the
+# worker test starts one more in its own process.
+# tests/integration/vllm/tiny_model.py:engine_kwargs reads it.
+os.environ.setdefault("QUIESCE_GPU_MEMORY_UTILIZATION", "0.12")
 
 from tests.integration.vllm.conftest import tiny_model  # noqa: E402, F401 (fixture)
 from tests.integration.vllm.test_nixl_pair import *  # noqa: E402, F403
+from tests.integration.vllm.test_vllm_dp import *  # noqa: E402, F403
 from tests.integration.vllm.test_vllm_probe import *  # noqa: E402, F403
 from tests.integration.vllm.test_vllm_worker import *  # noqa: E402, F403
 

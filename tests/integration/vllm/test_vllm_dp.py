@@ -1,0 +1,112 @@
+"""Data parallelism with a real vLLM on the CPU: two EngineCores behind one AsyncLLM.
+
+Every engine rank must be idle, not just the first: a request sent to rank 1 whose KV
+is held for a decoder keeps the worker busy on both signal paths (the board and the
+utility call), and the probe becomes quiescent only after the release. The GPU suite
+(tests/gpu/test_vllm.py) collects this module too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from quiesce import Role, StageOutcome, Verdict
+from quiesce.budget import Deadline
+from quiesce.drain import DrainConfig, wait_quiescent
+from tests.integration.vllm.conftest import SKIP_REASON
+
+vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+
+from quiesce.adapters.vllm import VllmProbe  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+DP = 2
+FAST = DrainConfig(router_grace_s=0, poll_base_s=0.001, poll_cap_s=0.01, probe_timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def dp_release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dp-release")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def dp_engine(tiny_model: Path, dp_release_dir: Path) -> AsyncIterator[Any]:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from tests.integration.vllm.tiny_model import engine_kwargs
+
+    args = AsyncEngineArgs(
+        model=str(tiny_model), tokenizer=str(tiny_model), disable_log_stats=True,
+        data_parallel_size=DP, **engine_kwargs(),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="HoldingConnector",
+            kv_connector_module_path="tests.integration.vllm.holding_connector",
+            kv_role="kv_producer",
+            kv_connector_extra_config={"release_dir": str(dp_release_dir)}))
+    llm = AsyncLLM.from_engine_args(args)
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+async def generate_on(llm: Any, rank: int, max_tokens: int) -> int:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+    produced = 0
+    async for output in llm.generate("hello world", params, request_id=uuid.uuid4().hex,
+                                     data_parallel_rank=rank):
+        produced = len(output.outputs[0].token_ids)
+    return produced
+
+
+async def test_kv_held_on_the_second_rank_keeps_the_worker_busy(dp_engine: Any,
+                                                                 dp_release_dir: Path) -> None:
+    (dp_release_dir / "release").unlink(missing_ok=True)
+    board = VllmProbe(dp_engine, Role.PREFILL)
+    by_call = VllmProbe(dp_engine, Role.PREFILL, board=False)
+    assert (await board.pending_work()).is_quiescent, board.board_off
+    assert await generate_on(dp_engine, 1, 8) == 8
+    assert dp_engine.output_processor.get_num_unfinished_requests() == 0
+    for probe in (board, by_call):
+        work = await probe.pending_work()
+        assert work.verdict is Verdict.BUSY, work.summary()
+        assert work.kv_sends_held == 1
+        assert {v for k, v in work.details.items() if k.endswith("dp_engines")} == {DP}
+    # what a probe of the first engine alone would have said
+    first_only = await dp_engine.engine_core.call_utility_async("quiesce_snapshot")
+    assert first_only["kv_sends_held"] == 0
+    (dp_release_dir / "release").touch()
+    report, last = await wait_quiescent(board, Deadline.after(60), FAST)
+    assert report.outcome is StageOutcome.COMPLETED, last.summary()
+    assert {v for k, v in last.details.items() if k.endswith("signal")} == {"board"}
+    assert (await by_call.pending_work()).is_quiescent
+
+
+async def test_work_on_both_ranks_is_summed(dp_engine: Any, dp_release_dir: Path) -> None:
+    (dp_release_dir / "release").touch()
+    probe = VllmProbe(dp_engine, Role.PREFILL)
+    streams = [asyncio.create_task(generate_on(dp_engine, rank, 200)) for rank in (0, 1)]
+    busy = None
+    for _ in range(2000):  # until both ranks run their request
+        work = await probe.pending_work()
+        if work.running == DP:
+            busy = work
+            break
+        await asyncio.sleep(0.005)
+    assert busy is not None, "the two requests never ran at the same time"
+    assert busy.verdict is Verdict.BUSY
+    assert await asyncio.gather(*streams) == [200, 200]
+    report, last = await wait_quiescent(probe, Deadline.after(60), FAST)
+    assert report.outcome is StageOutcome.COMPLETED, last.summary()
