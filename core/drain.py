@@ -101,7 +101,9 @@ class DrainConfig:
 
     ``router_grace_s``: after unregistering, keep admitting this long, because routers
     that already picked this worker are still sending. ``budget_s``: default bound of
-    an admin drain (``None``: until resumed). ``heartbeat_s``: how often a long wait
+    an admin drain (``None``: until resumed). ``registration_timeout_s``: how long a
+    resume waits for discovery (an unregister still running, then the registration)
+    before it rolls back. ``heartbeat_s``: how often a long wait
     logs the pending work. ``poll_base_s``/``poll_cap_s``: the backoff between reads of
     probes that cannot notify (a notifying probe is also read again at least this
     often); the 8 ms cap keeps a polled vLLM probe within an engine step plus a few ms
@@ -110,6 +112,7 @@ class DrainConfig:
 
     router_grace_s: float = 2.0
     budget_s: float | None = None
+    registration_timeout_s: float = 10.0
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
     poll_base_s: float = 0.001
     poll_cap_s: float = 0.008
@@ -118,6 +121,8 @@ class DrainConfig:
     def __post_init__(self) -> None:
         check_seconds("router_grace_s", self.router_grace_s)
         check_seconds("budget_s", self.budget_s, allow_none=True)
+        check_seconds("registration_timeout_s", self.registration_timeout_s,
+                      allow_zero=False)
         check_seconds("probe_timeout_s", self.probe_timeout_s, allow_zero=False)
         check_seconds("poll_base_s", self.poll_base_s, allow_zero=False)
         check_seconds("poll_cap_s", self.poll_cap_s, allow_zero=False)

@@ -23,9 +23,10 @@ A drain run, in order (one :class:`~quiesce.budget.Deadline` bounds it all):
 
 The run is a detached task: whoever started it may go away without leaving the
 worker stuck in ``draining``. ``resume()`` cancels and joins it, opens admission,
-then re-registers; if registration fails it closes admission again, starts a fresh
-drain (so the state converges to ``drained`` only through a verified path) and
-raises :class:`~quiesce.errors.ResumeFailed`.
+then re-registers; if registration fails, or discovery does not confirm it (and any
+unregister still running) within ``registration_timeout_s``, it closes admission
+again, starts a fresh drain (so the state converges to ``drained`` only through a
+verified path) and raises :class:`~quiesce.errors.ResumeFailed`.
 
 All state changes happen in synchronous sections on the event loop; ``drain`` and
 ``resume`` are serialized by one lock so a registration can never race an
@@ -427,8 +428,9 @@ class Lifecycle:
         """Return to serving: cancel and join the drain run, open admission, re-register.
 
         Idempotent while serving. Raises :class:`InvalidTransition` while stopping and
-        :class:`ResumeFailed` if registration fails (admission is closed again and a
-        fresh drain started, so the worker never serves unregistered by accident).
+        :class:`ResumeFailed` if registration fails or does not finish within
+        ``config.registration_timeout_s`` (admission is closed again and a fresh drain
+        started, so the worker never serves unregistered by accident).
         """
         async with self._lock:
             if self._state is State.STOPPING:
@@ -445,9 +447,8 @@ class Lifecycle:
             self._last_error = None
             self.gate.open()  # admit before routers can see us again
             try:
-                if self._unregistering:  # a late unregister must not undo this registration
-                    await asyncio.wait(set(self._unregistering))
-                await self.discovery.register()
+                await self._register_bounded(
+                    Deadline.after(self.config.registration_timeout_s, self._clock))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -463,6 +464,25 @@ class Lifecycle:
             if self._generation != generation:  # stop() ran while we registered
                 raise InvalidTransition("resume", self._state.value,
                                         "worker shutdown started during resume")
+
+    async def _register_bounded(self, deadline: Deadline) -> None:
+        """Register once any unregister still running has returned, within ``deadline``.
+
+        Raises TimeoutError naming what discovery did not finish. A registration cut off
+        here may still have reached discovery: the drain that the rollback starts
+        unregisters first.
+        """
+        if self._unregistering:  # a late unregister must not undo this registration
+            _, pending = await asyncio.wait(set(self._unregistering),
+                                            timeout=deadline.remaining())
+            if pending:
+                raise TimeoutError(f"an earlier unregister still runs after "
+                                   f"{self.config.registration_timeout_s:g}s")
+        try:
+            await asyncio.wait_for(self.discovery.register(), deadline.remaining())
+        except asyncio.TimeoutError:  # not yet the builtin on Python 3.10
+            raise TimeoutError(f"discovery did not confirm within "
+                               f"{self.config.registration_timeout_s:g}s") from None
 
     def _stopping(self) -> bool:
         return self._state is State.STOPPING

@@ -757,6 +757,35 @@ async def test_resume_admits_before_registration_completes(workers: Workers) -> 
     assert h.discovery.registered
 
 
+BOUNDED_RESUME = dataclasses.replace(FAST, registration_timeout_s=0.05)
+
+
+async def test_resume_behind_a_hanging_unregister_rolls_back_in_time(workers: Workers) -> None:
+    h = await workers.new("busy", config=BOUNDED_RESUME)
+    h.discovery.unregister_gate = asyncio.Event()  # discovery never confirms
+    run = await h.lc.drain()
+    await asyncio.wait_for(h.discovery.unregister_entered.wait(), WAIT_S)
+    registrations = h.discovery.register_calls
+    with pytest.raises(ResumeFailed, match="unregister still runs"):
+        await asyncio.wait_for(h.lc.resume(), WAIT_S)
+    assert h.lc.state is State.DRAINING and not h.gate.accepting
+    assert h.discovery.register_calls == registrations  # never behind a pending unregister
+    assert h.lc.current_run is not None and h.lc.current_run is not run
+
+
+async def test_resume_with_a_registration_that_never_returns_rolls_back(
+        workers: Workers) -> None:
+    h = await workers.new("zero", config=BOUNDED_RESUME)
+    assert (await finished(await h.lc.drain())).drained
+    h.discovery.register_gate = asyncio.Event()
+    with pytest.raises(ResumeFailed, match="did not confirm within"):
+        await asyncio.wait_for(h.lc.resume(), WAIT_S)
+    assert h.lc.state is State.DRAINING and not h.gate.accepting
+    fresh = h.lc.current_run
+    assert fresh is not None
+    assert (await finished(fresh)).drained  # it unregisters first, then converges
+
+
 async def test_stop_during_a_blocked_registration_wins(workers: Workers) -> None:
     h = await workers.new("zero")
     assert (await finished(await h.lc.drain())).drained
