@@ -43,6 +43,7 @@ reason, unless the operator passed ``allow_untested_version=True``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 from typing import Any
 
@@ -146,7 +147,11 @@ class VllmProbe(Probe):
             work = await self._from_board(expected)
             if work is not None:
                 return work
-        return await self._from_utility(expected)
+        work = await self._from_utility(expected)
+        if self.board_off is None:
+            return work
+        # say in status why this engine is asked by utility call instead
+        return dataclasses.replace(work, details={**work.details, "board_off": self.board_off})
 
     def _engine_alive(self) -> bool:
         """Whether the frontend reports EngineCore alive (``AsyncLLM.errored``). Without

@@ -3,8 +3,8 @@
 :func:`subscribe` asks each EngineCore (a utility call, once) to publish its counts to a
 board (:mod:`.board`) in a fresh private directory, maps every board, then removes the
 directory: the mappings and the FIFO stay valid, and once that is done nothing is left
-behind if either side dies. One subscription serves every probe of the same engine client in this
-process (EngineCore keeps at most a few boards).
+behind if either side dies. One subscription serves every probe of the same engine
+client in this process (EngineCore keeps at most a few boards).
 
 A subscription fails with :class:`BoardError` and its reason when the plugin is not
 installed, when an engine cannot open the directory (a DP engine on another host), or

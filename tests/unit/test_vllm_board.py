@@ -326,6 +326,8 @@ async def test_without_a_liveness_signal_the_board_is_not_used() -> None:
     assert (await probe.pending_work()).is_quiescent
     assert probe.board_off is not None and "alive" in probe.board_off
     assert engine.engine_core.calls == ["quiesce_snapshot"]
+    work = await probe.pending_work()  # and status says why
+    assert any(k.endswith("board_off") and "alive" in str(v) for k, v in work.details.items())
 
 
 async def test_closing_stops_the_engines_counting_and_a_read_subscribes_again() -> None:
