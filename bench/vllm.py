@@ -181,20 +181,15 @@ def _prepare_environment() -> None:
 
 
 def _start_engine(model: Path, release_dir: Path) -> Any:
-    from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tests.integration.vllm.tiny_model import engine_kwargs
+    from tests.integration.vllm.tiny_model import engine_kwargs, holding_connector
 
     args = AsyncEngineArgs(
         model=str(model), tokenizer=str(model), **engine_kwargs(),
         disable_log_stats=False,  # RequestOutput.metrics: EngineCore's token timestamps
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HoldingConnector",
-            kv_connector_module_path="tests.integration.vllm.holding_connector",
-            kv_role="kv_producer",
-            kv_connector_extra_config={"release_dir": str(release_dir)}))
+        kv_transfer_config=holding_connector(release_dir))
     return AsyncLLM.from_engine_args(args)
 
 

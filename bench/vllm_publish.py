@@ -30,18 +30,13 @@ STEPS = 40
 
 def measure(model: Path, release_dir: Path) -> dict[str, float]:
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
     from quiesce.adapters.vllm.board import BoardWriter, ChangeFifo
     from quiesce.adapters.vllm.plugin import count_pending
-    from tests.integration.vllm.tiny_model import engine_kwargs
+    from tests.integration.vllm.tiny_model import engine_kwargs, holding_connector
 
     llm = LLM(model=str(model), tokenizer=str(model), **engine_kwargs(),
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="HoldingConnector",
-                  kv_connector_module_path="tests.integration.vllm.holding_connector",
-                  kv_role="kv_producer",
-                  kv_connector_extra_config={"release_dir": str(release_dir)}))
+              kv_transfer_config=holding_connector(release_dir))
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
     out: dict[str, float] = {}

@@ -40,20 +40,14 @@ def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_model: Path, release_dir: Path) -> AsyncIterator[Any]:
-    from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from tests.integration.vllm.tiny_model import engine_kwargs
+    from tests.integration.vllm.tiny_model import engine_kwargs, holding_connector
 
     args = AsyncEngineArgs(
         model=str(tiny_model), tokenizer=str(tiny_model), disable_log_stats=True,
-        **engine_kwargs(),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="HoldingConnector",
-            kv_connector_module_path="tests.integration.vllm.holding_connector",
-            kv_role="kv_producer",
-            kv_connector_extra_config={"release_dir": str(release_dir)}))
+        kv_transfer_config=holding_connector(release_dir), **engine_kwargs())
     llm = AsyncLLM.from_engine_args(args)
     try:
         yield llm

@@ -66,6 +66,17 @@ def engine_kwargs() -> dict[str, Any]:
     return kwargs
 
 
+def holding_connector(release_dir: Path) -> Any:
+    """The ``kv_transfer_config`` of an engine whose finished requests hold their KV until
+    ``release_dir/release`` exists (:mod:`tests.integration.vllm.holding_connector`)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="HoldingConnector",
+        kv_connector_module_path="tests.integration.vllm.holding_connector",
+        kv_role="kv_producer", kv_connector_extra_config={"release_dir": str(release_dir)})
+
+
 SPEC_FILE = "quiesce_tiny_model.json"
 # Bump when the build changes in a way the config does not show.
 SPEC: dict[str, Any] = {"format": 1, "seed": SEED, "dtype": "float32", "config": CONFIG}
