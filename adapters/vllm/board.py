@@ -3,7 +3,7 @@
 A utility call to EngineCore is answered only between two engine steps, so a probe that
 asks each time waits up to one step plus a trip through two processes. Instead, once a
 probe subscribes, quiesce's plugin (:mod:`.plugin`) writes the scheduler's counts into a
-small memory-mapped file before and after every engine step (and after every client
+small memory-mapped file after every engine step (and after every client
 request), and the frontend reads them in microseconds. Nothing here imports vLLM or
 quiesce's core; both sides use this module.
 

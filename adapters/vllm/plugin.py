@@ -12,8 +12,8 @@ busy-loop thread between two steps, so what they count is consistent.
   that reaps transfers.
 - ``quiesce_subscribe(directory, fifo_name)`` starts the board (:mod:`.board`): it
   creates this engine's board file in ``directory`` (made by the frontend), publishes the
-  counts at once, and from then on publishes them before and after every engine step and
-  after every client request EngineCore handles, by wrapping three methods of this
+  counts at once, and from then on publishes them after every engine step and after
+  every client request EngineCore handles, by wrapping three methods of this
   EngineCore instance: ``step_fn`` (an instance attribute vLLM binds to ``step`` or
   ``step_with_batch_queue``), ``_handle_client_request`` (an idle or paused engine takes
   requests without stepping) and ``shutdown`` (marks the boards CLOSED). It answers
@@ -102,7 +102,7 @@ def quiesce_snapshot(engine_core: Any) -> dict[str, Any]:
 
 
 class _Publisher:
-    """Publishes one EngineCore's counts to its boards around every step and after every
+    """Publishes one EngineCore's counts to its boards after every step and after every
     client request; on shutdown marks them CLOSED."""
 
     def __init__(self, engine_core: Any) -> None:
@@ -112,8 +112,9 @@ class _Publisher:
         step, handle, shutdown = (engine_core.step_fn, engine_core._handle_client_request,
                                   engine_core.shutdown)
 
+        # Between two steps the counts change only in a client request (an add, an abort,
+        # a pause), published below; so one publication after each step is enough.
         def step_and_publish() -> Any:
-            self.publish()  # requests added since the last step are counted now
             try:
                 return step()
             finally:

@@ -11,7 +11,7 @@ Where each signal is read, what it costs, and what its absence means:
 
   * the **board** (:mod:`.board`, needs quiesce's plugin): on the first read the probe
     subscribes, and from then on every EngineCore publishes its counts into shared
-    memory before and after each engine step and after each client request it handles.
+    memory after each engine step and after each client request it handles.
     A read copies them in microseconds, without a round trip, busy or idle. While a step
     runs, the board shows the counts from before it (what it finishes shows after it);
     a request still on its way to EngineCore is in the frontend count, which is read

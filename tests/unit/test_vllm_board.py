@@ -227,7 +227,7 @@ async def test_the_probe_reads_every_dp_engines_board_without_a_call() -> None:
     assert (await probe.pending_work()).is_quiescent
     assert engine.engine_core.calls == ["quiesce_subscribe"]
     cores[1].scheduler.add("r1")
-    cores[1].step_fn()  # a step publishes before and after itself
+    cores[1].step_fn()  # a step publishes what it leaves behind
     busy = await probe.pending_work()
     assert busy.verdict is Verdict.BUSY and busy.running == 1
     assert signal_of(busy) == {"board"}
