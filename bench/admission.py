@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 
 from bench.results_format import Result
 from bench.stats import median
-from quiesce.admission import Admission, AdmissionGate
+from quiesce.admission import Admission, AdmissionGate, Outcome
 
 NAME = "admission"
 
@@ -111,7 +111,7 @@ async def _measure_all() -> dict[str, list[float]]:
     if free.inflight != 0 or busy.inflight != HELD:
         raise RuntimeError(f"gate counts drifted: {free.inflight}, {busy.inflight}")
     for admission in held:
-        admission.release()
+        admission.finish(Outcome.COMPLETED)
     if busy.inflight != 0:
         raise RuntimeError("held admissions did not release")
     return samples

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from bench.results_format import Result
 from bench.stats import percentile
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
-from quiesce.admission import AdmissionGate
+from quiesce.admission import AdmissionGate, Outcome
 from quiesce.discovery import InMemoryDiscovery
 from quiesce.drain import DrainConfig, StageOutcome
 from quiesce.lifecycle import Lifecycle, State
@@ -91,10 +91,11 @@ class Workload:
         self._clients: list[asyncio.Task[None]] = []
 
     async def _serve(self, request: SimRequest) -> None:
-        with self.gate.admit(request.request_id):
+        with self.gate.admit(request.request_id) as admission:
             async for _ in self.engine.generate(request):
                 pass
             self.stream_ends.append(time.monotonic())
+            admission.finish(Outcome.COMPLETED)
 
     async def start(self, stagger_s: float = 0.0) -> None:
         if stagger_s > 0:

@@ -55,6 +55,7 @@ from bench.results_format import Result, run_and_report
 from bench.stats import median, percentile
 from quiesce import AdmissionGate, InMemoryDiscovery, Role, StageOutcome, Verdict
 from quiesce.adapters.vllm import VllmProbe, installed_vllm_version
+from quiesce.admission import Outcome
 from quiesce.drain import DrainConfig
 from quiesce.lifecycle import Lifecycle, State
 
@@ -516,8 +517,10 @@ async def _detect_once(llm: Any, release_dir: Path, board: bool,
     await lifecycle.start()
 
     async def serve() -> int:
-        with gate.admit():
-            return await _generate(llm, DETECT_TOKENS)
+        with gate.admit() as admission:
+            produced = await _generate(llm, DETECT_TOKENS)
+            admission.finish(Outcome.COMPLETED)
+            return produced
 
     produced = await asyncio.gather(*(serve() for _ in range(DETECT_REQUESTS)))
     if produced != [DETECT_TOKENS] * DETECT_REQUESTS:

@@ -4,7 +4,7 @@ The mechanisms are re-exported here; see the README for how a worker backend
 wires them together.
 """
 
-from quiesce.admission import Admission, AdmissionGate
+from quiesce.admission import Admission, AdmissionGate, Outcome, OutcomeCounts
 from quiesce.budget import Budget, Deadline
 from quiesce.discovery import Discovery, InMemoryDirectory, InMemoryDiscovery
 from quiesce.drain import DrainConfig, DrainReport, StageOutcome, StageReport
@@ -15,6 +15,8 @@ from quiesce.errors import (
     EngineNotInstalled,
     InvalidTransition,
     QuiesceError,
+    RequestAborted,
+    RequestRejected,
     ResumeFailed,
     WorkerDraining,
 )
@@ -51,10 +53,14 @@ __all__ = [
     "InMemoryDirectory",
     "InMemoryDiscovery",
     "InvalidTransition",
+    "Outcome",
+    "OutcomeCounts",
     "PendingWork",
     "Probe",
     "QuiesceError",
     "QuiescenceProbe",
+    "RequestAborted",
+    "RequestRejected",
     "ResumeFailed",
     "Role",
     "StageOutcome",

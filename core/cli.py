@@ -390,6 +390,16 @@ def format_status(status: dict[str, Any]) -> str:
     rows.append(("registration", "registered with discovery" if registered
                  else "not registered with discovery"))
     rows.append(("last error", str(status.get("last_error") or "none")))
+    requests = status.get("requests")
+    if isinstance(requests, dict):
+        rows.append(("requests", _ended_line(requests.get("ended_total"))
+                     + f", {requests.get('refused_total', '?')} refused at the gate"))
+        since = requests.get("ended_since_drain")
+        if isinstance(since, dict):
+            rows.append(("  since drain", _ended_line(since)))
+    guard = status.get("signal_guard")
+    if isinstance(guard, dict):
+        rows.append(("signal guard", str(guard.get("summary", "?"))))
     drain = status.get("drain")
     if isinstance(drain, dict):
         rows.append(("drain", _drain_line(drain)))
@@ -402,6 +412,21 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(f"{label + ':':<{width}}{value}" for label, value in rows)
 
 
+def _ended_line(counts: object) -> str:
+    """``12 completed, 0 lost, 1 client gone, 0 rejected`` from an outcome-count dict."""
+    if not isinstance(counts, dict):
+        return "unknown"
+    return ", ".join(f"{counts.get(key, '?')} {key.replace('_', ' ')}"
+                     for key in ("completed", "lost", "client_gone", "rejected"))
+
+
+def _lost_since_drain(status: dict[str, Any]) -> int:
+    requests = status.get("requests")
+    since = requests.get("ended_since_drain") if isinstance(requests, dict) else None
+    lost = since.get("lost") if isinstance(since, dict) else 0
+    return lost if isinstance(lost, int) else 0
+
+
 def progress_line(status: dict[str, Any]) -> str:
     """One line of drain progress: state, stage, pending work, in-flight, elapsed vs budget."""
     drain = status.get("drain")
@@ -411,6 +436,9 @@ def progress_line(status: dict[str, Any]) -> str:
         parts[0] += f" [{drain.get('stage', '?')}]"
     parts.append(_pending_short(pending if isinstance(pending, dict) else None))
     parts.append(f"in-flight {status.get('inflight_requests', '?')}")
+    lost = _lost_since_drain(status)
+    if lost:
+        parts.append(f"LOST {lost}")
     if isinstance(drain, dict):
         budget = drain.get("budget_s")
         parts.append(f"{_num(drain.get('elapsed_s'))} / "
@@ -492,6 +520,9 @@ def _explain(status: dict[str, Any], why: str) -> str:
     pending = pending if isinstance(pending, dict) else None
     parts.append(f"in-flight {status.get('inflight_requests', '?')}, "
                  f"{_pending_short(pending)}")
+    lost = _lost_since_drain(status)
+    if lost:
+        parts.append(f"{lost} admitted request(s) lost since the drain began")
     reasons = _reasons(pending)
     if reasons:
         parts.append("unknown because: " + "; ".join(reasons))
@@ -564,8 +595,10 @@ def _run_drain(args: argparse.Namespace, client: AdminClient) -> int:
         _error(args, "not drained: " + _explain(status, why))
         return EXIT_FAILED
     if not args.json:
+        requests = status.get("requests")
+        since = requests.get("ended_since_drain") if isinstance(requests, dict) else None
         print(f"drained (generation {status.get('generation')}) after "
-              f"{time.monotonic() - started:.1f}s")
+              f"{time.monotonic() - started:.1f}s: {_ended_line(since)}")
     return EXIT_OK
 
 

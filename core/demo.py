@@ -31,7 +31,7 @@ import time
 from typing import TextIO
 
 from quiesce.adapters.sim import KVFate, RequestAborted, SimConfig, SimEngine, SimProbe, SimRequest
-from quiesce.admission import AdmissionGate
+from quiesce.admission import AdmissionGate, Outcome
 from quiesce.budget import check_seconds
 from quiesce.discovery import InMemoryDirectory, InMemoryDiscovery
 from quiesce.drain import DrainConfig
@@ -131,7 +131,7 @@ class DemoWorker:
         """Serve one request; True if the client got a complete answer."""
         if self.gone:
             raise WorkerGone(self.name)
-        with self.gate.admit(request.request_id):
+        with self.gate.admit(request.request_id) as admission:
             sim = SimRequest(request.request_id, request.prompt_tokens, request.max_tokens,
                              remote_decode=request.remote_decode,
                              never_pulled=request.request_id in self.never_pulled)
@@ -139,8 +139,10 @@ class DemoWorker:
                 async for _ in self.engine.generate(sim):
                     pass
             except RequestAborted:
+                admission.finish(Outcome.LOST)
                 self.last_done_at = time.monotonic()
                 return False
+            admission.finish(Outcome.COMPLETED)
         ok = True
         if request.remote_decode:  # the decode worker must still pull the KV from here
             ok = await self.engine.kv_fate(request.request_id) is KVFate.PULLED

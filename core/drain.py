@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
-from quiesce.admission import AdmissionGate
+from quiesce.admission import AdmissionGate, OutcomeCounts
 from quiesce.budget import Clock, Deadline, check_seconds
 from quiesce.errors import ConfigError
 from quiesce.probe import (
@@ -40,7 +40,9 @@ class StageOutcome(str, Enum):
     """How a stage ended.
 
     ``unsupported``: the signal the stage needs could not be read (the probe was
-    still unknown when time ran out); ``failed``: the stage's action raised.
+    still unknown when time ran out); ``failed``: the stage's action raised;
+    ``lost``: admitted requests ended lost (engine abort, engine death, forced path)
+    during the run, so it can never be ``drained``.
     """
 
     COMPLETED = "completed"
@@ -49,6 +51,7 @@ class StageOutcome(str, Enum):
     CANCELLED = "cancelled"
     UNSUPPORTED = "unsupported"
     FAILED = "failed"
+    LOST = "lost"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,13 +68,15 @@ class StageReport:
 
 @dataclasses.dataclass(frozen=True)
 class DrainReport:
-    """What one drain run did: every stage in order, and the last pending work it saw."""
+    """What one drain run did: every stage in order, the last pending work it saw, and how
+    the admitted requests that ended during the run ended (``requests``)."""
 
     generation: int
     stages: tuple[StageReport, ...]
     elapsed_s: float
     drained: bool
     last_pending_work: PendingWork | None = None
+    requests: OutcomeCounts = dataclasses.field(default_factory=OutcomeCounts)
 
     @property
     def outcome(self) -> StageOutcome:
@@ -92,6 +97,7 @@ class DrainReport:
             "stages": [s.to_dict() for s in self.stages],
             "last_pending_work": (self.last_pending_work.to_dict()
                                   if self.last_pending_work else None),
+            "requests": self.requests.to_dict(),
         }
 
 

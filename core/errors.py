@@ -37,7 +37,13 @@ class WorkerDraining(QuiesceError):
 
 
 class RequestAborted(QuiesceError):
-    """The engine aborted this request (shutdown budget ran out, explicit abort)."""
+    """The engine ended this request before its end (engine abort, engine dead, the forced
+    path): the request is ``lost``."""
+
+
+class RequestRejected(QuiesceError):
+    """The request's own input is invalid (found after admission, before any work): the
+    request is ``rejected``, and the client gets a 400 with ``message``."""
 
 
 class InvalidTransition(QuiesceError):

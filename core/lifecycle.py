@@ -19,7 +19,8 @@ A drain run, in order (one :class:`~quiesce.budget.Deadline` bounds it all):
 3. close admission (late arrivals get the typed, retryable ``WorkerDraining``);
 4. wait until nothing is admitted (woken by the gate);
 5. wait until the probe is quiescent (woken by the probe, or short-backoff polling);
-6. publish ``drained`` if the generation is unchanged.
+6. publish ``drained`` if the generation is unchanged and no admitted request ended
+   ``lost`` since the run began (otherwise the run ends ``lost``, with the count).
 
 The run is a detached task: whoever started it may go away without leaving the
 worker stuck in ``draining``. ``resume()`` cancels and joins it, opens admission,
@@ -43,7 +44,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 
-from quiesce.admission import AdmissionGate
+from quiesce.admission import AdmissionGate, OutcomeCounts
 from quiesce.budget import Clock, Deadline, check_seconds
 from quiesce.discovery import Discovery
 from quiesce.drain import (
@@ -97,6 +98,8 @@ class DrainRun:
     generation: int
     budget_s: float | None
     started_at: float
+    outcomes_at_start: OutcomeCounts = dataclasses.field(default_factory=OutcomeCounts)
+    """The gate's outcome totals when the run began: what ended since is the run's."""
     ended_at: float | None = None
     task: asyncio.Task[DrainReport] = dataclasses.field(init=False)
     stage: str = "unregister"
@@ -131,6 +134,10 @@ class Status:
     pending_work: PendingWork | None
     drain: dict[str, object] | None
     last_drain: DrainReport | None
+    requests: dict[str, object] = dataclasses.field(default_factory=dict)
+    """``admitted_total``, ``refused_total`` (never admitted), ``ended_total`` (outcome
+    counts since start) and ``ended_since_drain`` (since the current or last drain run
+    began; ``None`` before the first)."""
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -145,6 +152,7 @@ class Status:
             "pending_work": self.pending_work.to_dict() if self.pending_work else None,
             "drain": self.drain,
             "last_drain": self.last_drain.to_dict() if self.last_drain else None,
+            "requests": self.requests,
         }
 
 
@@ -224,6 +232,13 @@ class Lifecycle:
             }
         if pending_work is None and run is not None:
             pending_work = run.last_pending_work
+        requests: dict[str, object] = {
+            "admitted_total": self.gate.admitted_total,
+            "refused_total": self.gate.refused_total,
+            "ended_total": self.gate.outcomes().to_dict(),
+            "ended_since_drain": (self.outcomes_since(run).to_dict()
+                                  if run is not None else None),
+        }
         return Status(
             state=self._state,
             generation=self._generation,
@@ -236,7 +251,12 @@ class Lifecycle:
             pending_work=pending_work,
             drain=drain,
             last_drain=self._last_report,
+            requests=requests,
         )
+
+    def outcomes_since(self, run: DrainRun) -> OutcomeCounts:
+        """How the admitted requests that ended since ``run`` began ended (up to now)."""
+        return self.gate.outcomes() - run.outcomes_at_start
 
     async def read_status(self, probe_timeout: float = DEFAULT_PROBE_TIMEOUT_S) -> Status:
         """:meth:`status` with a fresh probe reading (never raises; failures show as unknown)."""
@@ -291,7 +311,8 @@ class Lifecycle:
         self._last_error = None
         generation = self._generation
         deadline = Deadline.after(budget_s, self._clock)
-        run = DrainRun(generation=generation, budget_s=budget_s, started_at=self._clock())
+        run = DrainRun(generation=generation, budget_s=budget_s, started_at=self._clock(),
+                       outcomes_at_start=self.gate.outcomes())
         run.task = asyncio.get_running_loop().create_task(
             self._drain_run(run, deadline), name=f"quiesce-drain-{generation}")
         # A run cancelled before its first step never reaches its own except clause.
@@ -303,7 +324,7 @@ class Lifecycle:
         """Record the end of ``run``: its report, ``last_drain``, the event, the error."""
         run.ended_at = self._clock()
         report = DrainReport(run.generation, tuple(run.stages), run.ended_at - run.started_at,
-                             drained, run.last_pending_work)
+                             drained, run.last_pending_work, self.outcomes_since(run))
         run.report = report
         if self._run is run:
             self._last_report = report
@@ -389,6 +410,12 @@ class Lifecycle:
             if self.gate.inflight or self.gate.accepting:  # cannot happen: closed above
                 stages.append(StageReport("publish", StageOutcome.FAILED, 0.0,
                                           "admission reopened within the same generation"))
+                return finish(False)
+            # every admitted request has ended (admitted == 0 above): a loss is final
+            lost = self.outcomes_since(run).lost
+            if lost:
+                stages.append(StageReport("publish", StageOutcome.LOST, self._clock() - t,
+                                          f"{lost} admitted request(s) lost during the drain"))
                 return finish(False)
             self._transition(State.DRAINED, "admitted requests and engine work are zero")
             stages.append(StageReport("publish", StageOutcome.COMPLETED, self._clock() - t))

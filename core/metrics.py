@@ -25,8 +25,11 @@ quiesce_inflight_requests         gauge             scrape admitted requests who
 quiesce_accepting                 gauge             scrape 1 while the admission gate admits, else 0
 quiesce_discovery_registered      gauge             scrape 1 while registered with discovery, else 0
 quiesce_admitted_requests_total   counter           scrape the gate's admitted_total
-quiesce_rejected_admissions_total counter           scrape the gate's rejected_total (WorkerDraining
-                                                           raised)
+quiesce_rejected_admissions_total counter           scrape the gate's refused_total (WorkerDraining
+                                                           raised; never admitted)
+quiesce_requests_ended_total      counter   outcome scrape admitted requests that ended, by outcome:
+                                                           completed, lost, client_gone, rejected
+                                                           (all always present)
 quiesce_pending_work              gauge     kind    scrape each counter of the latest PendingWork:
                                                            waiting, running, kv_sends_held,
                                                            kv_recvs_awaited, then the engine's
@@ -123,6 +126,9 @@ class _ScrapeCollector:
         rejected = CounterMetricFamily("quiesce_rejected_admissions_total",
                                        "Requests the closed admission gate refused "
                                        "(WorkerDraining)")
+        ended = CounterMetricFamily("quiesce_requests_ended",
+                                    "Admitted requests that ended, by outcome (lost: ended by "
+                                    "the engine or the worker stopping)", labels=["outcome"])
         pending = GaugeMetricFamily("quiesce_pending_work", "Work the engine still holds, by "
                                     "kind, from the latest probe reading (NaN: unknown)",
                                     labels=["kind"])
@@ -138,7 +144,7 @@ class _ScrapeCollector:
         if not with_samples:
             yield state
             yield from (GaugeMetricFamily(name, doc) for name, doc in docs.items())
-            yield from (admitted, rejected, pending)
+            yield from (admitted, rejected, ended, pending)
             return
 
         status = owner.lifecycle.status()
@@ -166,8 +172,10 @@ class _ScrapeCollector:
         }
         yield from (_gauge(name, doc, values[name]) for name, doc in docs.items())
         admitted.add_metric([], float(gate.admitted_total))
-        rejected.add_metric([], float(gate.rejected_total))
-        yield from (admitted, rejected, pending)
+        rejected.add_metric([], float(gate.refused_total))
+        for outcome, count in gate.outcomes().to_dict().items():
+            ended.add_metric([outcome], float(count))
+        yield from (admitted, rejected, ended, pending)
 
 
 class WorkerMetrics:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
 
 from quiesce.adapters.sim import SimConfig
 from quiesce.errors import ConfigError
@@ -19,9 +22,11 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 class WorkerOptions:
     engine: str = "sim"
     model: str | None = None
-    max_model_len: int = 2048
+    max_model_len: int | None = None
     dtype: str = "auto"
     gpu_memory_utilization: float | None = None
+    served_model_name: str | None = None
+    kv_transfer_config: Mapping[str, Any] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     admin_host: str = "127.0.0.1"
@@ -41,6 +46,16 @@ class WorkerOptions:
             raise ConfigError("model", "--engine vllm needs --model PATH")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; one of {DTYPES}")
+        if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
+                                               or self.max_model_len < 1):
+            raise ConfigError("max_model_len", f"must be >= 1, got {self.max_model_len!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ConfigError("served_model_name", "must not be empty")
+        if self.kv_transfer_config is not None:
+            if not isinstance(self.kv_transfer_config, Mapping):
+                raise ConfigError("kv_transfer_config", "must be a JSON object")
+            if self.engine != "vllm":
+                raise ConfigError("kv_transfer_config", "needs --engine vllm")
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {share!r}")
@@ -55,14 +70,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="engine behind the worker: sim (simulated) or vllm "
                              "(needs quiesce[vllm] and --model)")
     parser.add_argument("--model", default=None, help="vllm: model directory")
-    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len,
-                        help="vllm: maximum context length (%(default)s)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name of the OpenAI API (/v1/models and the answers' "
+                             "`model`; default: the --model directory's name, 'quiesce' "
+                             "for sim)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="vllm: maximum context length (default: the model's own)")
     parser.add_argument("--dtype", choices=DTYPES, default=defaults.dtype,
-                        help="vllm: weights and activations dtype (%(default)s: the model's, "
-                             "bfloat16 on the CPU)")
+                        help="vllm: weights and activations dtype (%(default)s: the model's "
+                             "on a GPU; float32 on a CPU, where vLLM's bfloat16 hit SIGILL "
+                             "in its AMX kernel)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vllm: share of the GPU's memory the engine may use "
-                             "(vLLM's default when not given)")
+                             "(vLLM's default when not given). On a CPU, when neither this "
+                             "nor $VLLM_CPU_KVCACHE_SPACE (GiB) is set, the KV cache gets "
+                             "min(4 GiB, a quarter of the available memory)")
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help="vllm: KV connector configuration, a JSON object for vLLM's "
+                             "KVTransferConfig, as `vllm serve --kv-transfer-config` takes "
+                             "it (e.g. '{\"kv_connector\": \"NixlConnector\", "
+                             "\"kv_role\": \"kv_both\"}')")
     parser.add_argument("--host", default=defaults.host, help="serving API address")
     parser.add_argument("--port", type=int, default=defaults.port, help="serving API port")
     parser.add_argument("--admin-host", default=defaults.admin_host, help="admin API address")
@@ -83,11 +110,26 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sim engine: seconds per decode step (%(default)s)")
 
 
+def parse_json_object(field: str, text: str | None) -> dict[str, Any] | None:
+    """``text`` as a JSON object, None for None; anything else is a ConfigError on ``field``."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(field, f"not valid JSON ({exc}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(field, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """:class:`WorkerOptions` from parsed arguments; raises ConfigError naming the field."""
     return WorkerOptions(
         engine=args.engine, model=args.model, max_model_len=args.max_model_len, dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        served_model_name=args.served_model_name,
+        kv_transfer_config=parse_json_object("kv_transfer_config", args.kv_transfer_config),
         host=args.host, port=args.port, admin_host=args.admin_host,
         admin_port=args.admin_port, role=Role.parse(args.role), budget_s=args.budget,
         cleanup_reserve_s=(args.reserve if args.reserve is not None

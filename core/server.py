@@ -38,7 +38,7 @@ import ipaddress
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -190,8 +190,13 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
-                     metrics: WorkerMetrics | None = None) -> FastAPI:
-    """The admin API for ``lifecycle``. ``token=None`` leaves admin routes open (loopback)."""
+                     metrics: WorkerMetrics | None = None,
+                     extra_status: Callable[[], Mapping[str, object]] | None = None) -> FastAPI:
+    """The admin API for ``lifecycle``. ``token=None`` leaves admin routes open (loopback).
+
+    ``extra_status`` adds the worker's own fields to ``GET /engine/status`` (the reference
+    worker adds ``signal_guard``); it must be quick and must not raise.
+    """
     metrics = metrics if metrics is not None else WorkerMetrics(lifecycle)
     app = FastAPI(title="quiesce worker admin API", version="1",
                   responses={400: {"model": ErrorBody}, 401: {"model": ErrorBody},
@@ -216,7 +221,10 @@ def create_admin_app(lifecycle: Lifecycle, *, token: str | None = None,
                               str(exc.detail), headers=getattr(exc, "headers", None))
 
     async def status_dict() -> dict[str, object]:
-        return (await lifecycle.read_status()).to_dict()
+        status = (await lifecycle.read_status()).to_dict()
+        if extra_status is not None:
+            status.update(extra_status())
+        return status
 
     @app.post("/engine/drain", status_code=202, **admin,
               responses={200: {"description": "drained"}, 409: {"model": ErrorBody}})

@@ -9,10 +9,18 @@ The first SIGTERM or SIGINT arms one absolute :class:`~quiesce.budget.Budget`
 2. stop: enter the terminal ``stopping`` state (admission stays closed);
 3. abort: only if the drain did not finish — abort what is left through the engine
    adapter and count it;
-4. engine shutdown: inside the cleanup reserve.
+4. engine shutdown, inside the cleanup reserve: first the engine's processes get back
+   their own signal handlers (:meth:`SignalOwnership.permit_shutdown`), then the
+   engine is told to stop;
+5. close: wait (inside the reserve) for the streams still admitted to end, then close
+   the serving listeners, which cuts any stream left (counted ``lost``);
+6. account: how every request admitted since the drain run began ended.
 
-A second signal exits at once with :data:`EXIT_IMMEDIATE`. The exit code tells a
-clean drain (:data:`EXIT_CLEAN`) from a forced one (:data:`EXIT_FORCED`).
+``drained`` in the report, and exit code :data:`EXIT_CLEAN`, only when the drain
+finished and no admitted request ended ``lost``. A drain that did not finish is
+:data:`EXIT_FORCED`; one that finished with losses (an engine that aborted requests by
+itself, a dead engine) is :data:`EXIT_LOST`. A second signal exits at once with
+:data:`EXIT_IMMEDIATE`, taking the engine's processes with it.
 """
 
 from __future__ import annotations
@@ -24,22 +32,27 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from types import FrameType
 
-from quiesce.budget import Budget, Clock, check_seconds
-from quiesce.drain import StageOutcome, StageReport
+from quiesce.admission import OutcomeCounts
+from quiesce.budget import Budget, Clock, Deadline, check_seconds
+from quiesce.drain import StageOutcome, StageReport, wait_admitted_zero
 from quiesce.engine import EngineControl
 from quiesce.errors import ConfigError
 from quiesce.lifecycle import Lifecycle
+from quiesce.signal_guard import SignalOwnership, kill_descendants
 
 log = logging.getLogger("quiesce.shutdown")
 
 EXIT_CLEAN = 0
 """Drained: every admitted request and KV transfer finished before exit."""
 EXIT_FORCED = 3
-"""The budget ran out: leftovers were aborted (their count is in the report)."""
+"""The drain did not finish within the budget: leftovers were aborted (counted as lost)."""
 EXIT_IMMEDIATE = 4
 """A second signal arrived: exited at once without finishing the shutdown."""
+EXIT_LOST = 5
+"""The drain finished, but admitted requests were lost on the way (count in the report)."""
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -68,32 +81,54 @@ class ShutdownPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class ShutdownReport:
+    """How the shutdown went. ``outcome`` is ``drained``, ``forced`` or ``lost`` (see the
+    module docstring); ``requests`` counts how the requests admitted since the drain run
+    began ended, so ``requests.lost`` is every loss, aborted ones included."""
+
     signal: str
     stages: tuple[StageReport, ...]
     drained: bool
     aborted_requests: int
     elapsed_s: float
     exit_code: int
+    outcome: str = "drained"
+    requests: OutcomeCounts = dataclasses.field(default_factory=OutcomeCounts)
+
+    @property
+    def lost_requests(self) -> int:
+        return self.requests.lost
 
     def to_dict(self) -> dict[str, object]:
-        return {"signal": self.signal, "drained": self.drained,
-                "aborted_requests": self.aborted_requests, "elapsed_s": round(self.elapsed_s, 6),
+        return {"signal": self.signal, "outcome": self.outcome, "drained": self.drained,
+                "lost_requests": self.lost_requests, "aborted_requests": self.aborted_requests,
+                "requests": self.requests.to_dict(), "elapsed_s": round(self.elapsed_s, 6),
                 "exit_code": self.exit_code, "stages": [s.to_dict() for s in self.stages]}
 
 
+Close = Callable[[], Awaitable[None]]
+"""Closes the serving listeners (stage 5); streams still open are cut."""
+
+
 class Shutdown:
-    """Runs the budgeted shutdown of one worker. See the module docstring for the stages."""
+    """Runs the budgeted shutdown of one worker. See the module docstring for the stages.
+
+    ``signals``: the worker's :class:`SignalOwnership`, if it claimed one: the engine's
+    processes get their handlers back only at stage 4, and a forced exit kills them.
+    """
 
     def __init__(self, lifecycle: Lifecycle, engine: EngineControl | None,
-                 policy: ShutdownPolicy | None = None, clock: Clock = time.monotonic) -> None:
+                 policy: ShutdownPolicy | None = None, clock: Clock = time.monotonic,
+                 signals: SignalOwnership | None = None) -> None:
         self.lifecycle = lifecycle
         self.engine = engine
         self.policy = policy if policy is not None else ShutdownPolicy()
+        self.signals = signals
         self._clock = clock
         self._requested: asyncio.Event | None = None
         self._budget: Budget | None = None
         self._signal = ""
         self._signal_seen = False
+        self._outcomes_at_request = OutcomeCounts()
 
     @property
     def requested(self) -> bool:
@@ -114,13 +149,13 @@ class Shutdown:
     def _on_first_signal(self, sig: signal.Signals, loop: asyncio.AbstractEventLoop) -> None:
         # Two signals read in one batch queue two callbacks: the second one is a second signal.
         if self._signal_seen:
-            _exit_immediately(sig, None)
+            exit_immediately(sig, None)
         self._signal_seen = True
         # From now on any further signal exits at once, even if the loop is busy:
         # a plain handler runs between bytecodes, not when the loop gets to it.
         for other in SIGNALS:
             loop.remove_signal_handler(other)
-            signal.signal(other, _exit_immediately)
+            signal.signal(other, exit_immediately)
         self.request(sig.name)
 
     def request(self, reason: str = "request") -> None:
@@ -129,35 +164,53 @@ class Shutdown:
             return
         self._budget = Budget(self.policy.total_s, self.policy.cleanup_reserve_s, self._clock)
         self._signal = reason
+        self._outcomes_at_request = self.lifecycle.gate.outcomes()
         log.info("shutdown requested by %s: budget %.1fs (cleanup reserve %.1fs)", reason,
                  self.policy.total_s, self.policy.cleanup_reserve_s)
+        if self.signals is not None:
+            guards = self.signals.report()
+            if guards.protected is not True:
+                log.warning("signal guard: %s; a signal to the process group or to every "
+                            "process reaches them as their own shutdown", guards.summary())
         self._event().set()
 
     async def wait_requested(self) -> None:
         await self._event().wait()
 
-    async def run(self) -> ShutdownReport:
-        """Run every stage within the budget and return the report (with the exit code)."""
+    async def run(self, close: Close | None = None) -> ShutdownReport:
+        """Run every stage within the budget and return the report (with the exit code).
+
+        ``close`` closes the serving listeners (stage 5); without it the caller must
+        close them, and streams it cuts then are not in the report.
+        """
         if self._budget is None:
             self.request("run")
         budget = self._budget
         assert budget is not None
         stages: list[StageReport] = []
+        since = self._outcomes_at_request
 
         # 1. drain: the probe is read here, before the engine is told to stop
         t = self._clock()
         allowance = budget.allowance(self.policy.drain_cap_s)
         drained = False
+        drain_outcome = StageOutcome.FAILED
         try:
             run = await self.lifecycle.drain(budget_s=allowance)
+            since = run.outcomes_at_start  # an admin drain (preStop) may have begun earlier
             report = await run.wait(timeout=allowance)
             drained = report is not None and report.drained
             if drained:
-                stages.append(StageReport("drain", StageOutcome.COMPLETED, self._clock() - t))
+                drain_outcome = StageOutcome.COMPLETED
+                stages.append(StageReport("drain", drain_outcome, self._clock() - t))
             else:
+                drain_outcome = (report.outcome if report is not None
+                                 else StageOutcome.TIMED_OUT)
                 detail = report.outcome.value if report is not None else "still running"
-                stages.append(StageReport("drain", StageOutcome.TIMED_OUT, self._clock() - t,
-                                          f"{detail}: {self.lifecycle.last_error or ''}".strip()))
+                stages.append(StageReport(
+                    "drain", StageOutcome.LOST if drain_outcome is StageOutcome.LOST
+                    else StageOutcome.TIMED_OUT, self._clock() - t,
+                    f"{detail}: {self.lifecycle.last_error or ''}".strip()))
         except Exception as exc:
             log.error("drain stage failed: %s", exc)
             stages.append(StageReport("drain", StageOutcome.FAILED, self._clock() - t,
@@ -176,16 +229,54 @@ class Shutdown:
             abort_report, aborted = await self._abort(budget)
             stages.append(abort_report)
 
-        # 4. stop the engine inside what is left
+        # 4. hand the engine's processes their signals back, then stop the engine
+        if self.signals is not None:
+            self.signals.permit_shutdown()
         stages.append(await self._engine_shutdown(budget))
 
-        code = EXIT_CLEAN if drained else EXIT_FORCED
-        result = ShutdownReport(self._signal, tuple(stages), drained, aborted, budget.elapsed(),
-                                code)
-        log.log(logging.INFO if drained else logging.WARNING,
-                "shutdown %s in %.3fs: aborted %d request(s), exit code %d",
-                "clean" if drained else "forced", result.elapsed_s, aborted, code)
+        # 5. let the streams still admitted end, then close the listeners
+        stages.append(await self._close(budget, close))
+
+        # 6. account for every request admitted since the drain began
+        requests = self.lifecycle.gate.outcomes() - since
+        clean = drained and requests.lost == 0
+        if clean:
+            outcome, code = "drained", EXIT_CLEAN
+        elif drain_outcome in (StageOutcome.LOST, StageOutcome.COMPLETED):
+            outcome, code = "lost", EXIT_LOST
+        else:
+            outcome, code = "forced", EXIT_FORCED
+        result = ShutdownReport(self._signal, tuple(stages), clean, aborted, budget.elapsed(),
+                                code, outcome, requests)
+        log.log(logging.INFO if clean else logging.WARNING,
+                "shutdown %s in %.3fs: %d request(s) completed, %d lost (%d aborted), "
+                "%d client(s) gone, %d rejected; exit code %d", outcome, result.elapsed_s,
+                requests.completed, requests.lost, aborted, requests.client_gone,
+                requests.rejected, code)
         return result
+
+    async def _close(self, budget: Budget, close: Close | None) -> StageReport:
+        t = self._clock()
+        gate = self.lifecycle.gate
+        reserve = Deadline.after(
+            max(min(budget.cleanup_allowance(), self.policy.cleanup_reserve_s), 0.0), self._clock)
+        waited = await wait_admitted_zero(gate, reserve, self._clock)
+        cut = gate.inflight
+        if close is not None:
+            try:
+                await asyncio.wait_for(close(), max(budget.cleanup_allowance(), 0.001))
+            except asyncio.TimeoutError:
+                return StageReport("close", StageOutcome.TIMED_OUT, self._clock() - t,
+                                   f"{cut} stream(s) still open")
+            except Exception as exc:
+                return StageReport("close", StageOutcome.FAILED, self._clock() - t,
+                                   f"{type(exc).__name__}: {exc}")
+        if waited.outcome is not StageOutcome.COMPLETED:
+            return StageReport("close", StageOutcome.TIMED_OUT, self._clock() - t,
+                               f"{cut} stream(s) cut when the listeners closed")
+        return StageReport("close", StageOutcome.COMPLETED if close is not None
+                           else StageOutcome.SKIPPED, self._clock() - t,
+                           "" if close is not None else "no listeners to close")
 
     async def _abort(self, budget: Budget) -> tuple[StageReport, int]:
         t = self._clock()
@@ -217,8 +308,11 @@ class Shutdown:
         return StageReport("engine_shutdown", StageOutcome.COMPLETED, self._clock() - t)
 
 
-def _exit_immediately(signum: int, frame: FrameType | None) -> None:
+def exit_immediately(signum: int, frame: FrameType | None) -> None:
     name = signal.Signals(signum).name
     os.write(sys.stderr.fileno(),
-             f"quiesce: second signal ({name}); exiting now with code {EXIT_IMMEDIATE}\n".encode())
+             f"quiesce: second signal ({name}); exiting now with code {EXIT_IMMEDIATE}, "
+             f"killing the engine's processes\n".encode())
+    # The engine's processes ignore signals until permitted: take them along.
+    kill_descendants()
     os._exit(EXIT_IMMEDIATE)

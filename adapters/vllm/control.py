@@ -5,12 +5,33 @@ drain budget ran out) and counts them. KV blocks held for a remote decoder after
 request finished are not requests any more: vLLM frees them when the decoder reads
 them, when their NIXL lease expires, or when the engine shuts down; the count does not
 include them.
+
+``shutdown`` runs vLLM's own clean shutdown, ``AsyncLLM.shutdown(timeout)``, in its own
+order (checked on 0.32): the client detaches its finalizer and SIGTERMs EngineCore;
+EngineCore leaves its busy loop, closes its model runners' death pipes and waits for
+them (``MultiprocExecutor._ensure_worker_termination``, polling every 0.1 s), tears down
+its scheduler and distributed state, and exits; the client joins it (``timeout``, then
+SIGKILL of the whole tree, which would leave its shared-memory segments to the
+resource tracker's "leaked" warning), closes its sockets and cancels the output
+handler. The worker calls it only once the drain proved the engine idle, with the
+engine's signal handlers permitted, so nothing is aborted by it. The time it takes is
+dominated by each engine process's own exit (see :mod:`.exit`).
+
+Afterwards the ``AsyncLLM`` is inert but may live on in reference cycles until the
+interpreter's teardown, where ``AsyncLLM.__del__`` calls ``shutdown()`` again after
+``vllm.v1.engine.async_llm``'s globals were cleared (``TypeError: 'NoneType' object is
+not callable``, printed at exit). With everything released, the instance's second
+shutdown is made a no-op.
 """
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """``AsyncLLM.shutdown`` once the engine is shut down: nothing is left to release."""
 
 
 class VllmEngineControl:
@@ -27,5 +48,9 @@ class VllmEngineControl:
         return len(ids)
 
     async def shutdown(self) -> None:
-        # AsyncLLM.shutdown joins child processes synchronously: keep the loop free.
-        await asyncio.to_thread(self.engine.shutdown, self.shutdown_timeout_s)
+        engine = self.engine
+        # AsyncLLM.shutdown joins EngineCore synchronously: keep the loop free.
+        await asyncio.to_thread(engine.shutdown, self.shutdown_timeout_s)
+        # Only after it returned: a shutdown cut short (its stage timed out, the thread
+        # still runs) keeps vLLM's own finalizers.
+        engine.shutdown = _already_shut_down

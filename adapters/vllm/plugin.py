@@ -45,14 +45,18 @@ Costs and contract:
   answered as ``{"error": ...}`` by the snapshot and published with the ERROR flag on the
   board, and the probe turns both into UNKNOWN.
 
-Imports nothing from quiesce's core and nothing from vLLM at import time.
+Imports nothing from vLLM at import time, and from quiesce's core only the standard
+library signal guard.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections import deque
 from typing import Any
+
+from quiesce.signal_guard import guard_process
 
 from .board import BoardFlags, BoardWriter, Counts
 
@@ -179,10 +183,16 @@ def quiesce_subscribe(engine_core: Any, directory: str, fifo_name: str) -> dict[
 
 
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: attach the utilities to EngineCore.
+    """Entry point of ``vllm.general_plugins``: guard this process's signal handlers and
+    attach the utilities to EngineCore.
 
-    Idempotent, and harmless in processes that never run an EngineCore.
+    vLLM loads general plugins in EngineCore's and each model runner's constructor,
+    after ``run_engine_core`` and ``WorkerProc.worker_main`` installed their SIGTERM/SIGINT
+    handlers (checked on 0.32), so :func:`quiesce.signal_guard.guard_process` wraps
+    vLLM's own handlers there; in a process not started by a quiesce worker it does
+    nothing. Idempotent, and harmless in processes that never run an EngineCore.
     """
+    guard_process(multiprocessing.current_process().name)
     try:
         from vllm.v1.engine.core import EngineCore  # noqa: PLC0415 (vLLM is optional)
     except ImportError:  # a vLLM without the V1 engine: the probe falls back and says so

@@ -32,6 +32,7 @@ import sys
 
 from quiesce import AdmissionGate, InMemoryDiscovery, WorkerDraining
 from quiesce.adapters.sim import RequestAborted, SimConfig, SimEngine, SimProbe, SimRequest
+from quiesce.admission import Outcome
 from quiesce.drain import DrainConfig
 from quiesce.lifecycle import Lifecycle
 from quiesce.shutdown import Shutdown, ShutdownPolicy
@@ -65,9 +66,11 @@ async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
             async for token in engine.generate(request):
                 await _send(writer, {"token": token})
         except RequestAborted:
+            admission.finish(Outcome.LOST)
             await _send(writer, {"error": "aborted"})
             return
         await _send(writer, {"done": True})
+        admission.finish(Outcome.COMPLETED)
 
 
 async def serve(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
-from quiesce.admission import Admission, AdmissionGate
+from quiesce.admission import Admission, AdmissionGate, Outcome
 from quiesce.discovery import InMemoryDiscovery
 from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError
@@ -189,17 +189,19 @@ def admitted(gate: AdmissionGate, request_id: str = "long") -> Iterator[Admissio
     try:
         yield admission
     finally:
-        admission.release()
+        admission.finish(Outcome.COMPLETED)
 
 
 async def long_request(worker: Worker, release: asyncio.Event, admitted_event: asyncio.Event,
                        tokens: int = 5) -> list[int]:
     """A request admitted through the gate that runs on the engine once ``release`` is set."""
-    with worker.gate.admit("long-request"):
+    with worker.gate.admit("long-request") as admission:
         admitted_event.set()
         await release.wait()
-        return [t async for t in worker.engine.generate(SimRequest("long-request",
-                                                                   max_tokens=tokens))]
+        out = [t async for t in worker.engine.generate(SimRequest("long-request",
+                                                                  max_tokens=tokens))]
+        admission.finish(Outcome.COMPLETED)
+        return out
 
 
 async def current_run(worker: Worker) -> DrainRun:

@@ -190,7 +190,10 @@ async def test_sigterm_drains_every_admitted_stream_and_exits_clean(tmp_path: Pa
     assert isinstance(stages, list)
     assert [(s["stage"], s["outcome"]) for s in stages] == [
         ("drain", "completed"), ("stop", "completed"), ("abort", "skipped"),
-        ("engine_shutdown", "completed")]
+        ("engine_shutdown", "completed"), ("close", "skipped")]
+    assert report["outcome"] == "drained" and report["lost_requests"] == 0
+    requests = report["requests"]
+    assert isinstance(requests, dict) and requests["completed"] >= len(clients)
     # the process is gone: a new client is refused, never half served
     after = await asyncio.wait_for(Client("after-exit", max_tokens=5).run(w.port), START_S)
     assert after.refused, after

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -77,12 +77,22 @@ def worker_env() -> dict[str, str]:
 
 @contextlib.contextmanager
 def start_worker(*args: str, engine: tuple[str, ...] = ("--engine", "sim"),
-                 startup_timeout: float = 60.0) -> Iterator[Worker]:
-    """Run ``quiesce serve`` on free loopback ports; kill it (and its children) on the way out."""
+                 startup_timeout: float = 60.0,
+                 env_changes: Mapping[str, str | None] | None = None) -> Iterator[Worker]:
+    """Run ``quiesce serve`` on free loopback ports; kill it (and its children) on the way out.
+
+    ``env_changes``: variables to set in the worker's environment (``None``: remove it).
+    """
+    env = worker_env()
+    for name, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     process = subprocess.Popen(
         [sys.executable, "-m", "quiesce", "serve", *engine, "--port", "0",
          "--admin-port", "0", *args],
-        stdout=subprocess.PIPE, text=True, env=worker_env(), start_new_session=True)
+        stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
     lines: list[str] = []
     ready = threading.Event()
 
@@ -152,3 +162,32 @@ async def stream_completion(url: str, max_tokens: int, *, started: asyncio.Event
     except httpx.TransportError as exc:  # the worker went away mid-stream: a lost stream
         return StreamResult(0, tokens, False, f"transport error: {exc!r}")
     return StreamResult(200, tokens, done, error)
+
+
+# -- how a signal reaches a worker's processes ---------------------------------------------
+# The kubelet signals the main process only (Worker.signal); a terminal's Ctrl-C and init
+# shims (dumb-init, tini -g) signal the process group; systemd (KillMode=control-group) and
+# pkill signal every process.
+
+
+def worker_processes(pid: int) -> list[int]:
+    """``pid`` and every live descendant of it, read from ``/proc`` (parents first)."""
+    from quiesce.signal_guard import descendants  # stdlib-only; both environments have it
+
+    return [pid, *descendants(pid)]
+
+
+def signal_group(pid: int, sig: signal.Signals = signal.SIGTERM) -> None:
+    """Signal the process group of ``pid`` (``start_worker`` makes the worker its leader)."""
+    os.killpg(os.getpgid(pid), sig)
+
+
+def signal_every_process(pid: int, sig: signal.Signals = signal.SIGTERM) -> list[int]:
+    """Signal ``pid`` and each of its descendants, one by one; returns the pids signalled
+    (a process that exited in between is skipped)."""
+    signalled = []
+    for target in worker_processes(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, sig)
+            signalled.append(target)
+    return signalled

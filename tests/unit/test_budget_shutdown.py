@@ -33,16 +33,19 @@ from quiesce.adapters.sim import (
     SimProbe,
     SimRequest,
 )
+from quiesce.admission import Outcome
 from quiesce.budget import Budget, Deadline
 from quiesce.drain import DrainConfig
 from quiesce.lifecycle import Lifecycle, State
 from quiesce.shutdown import (
     EXIT_CLEAN,
     EXIT_FORCED,
+    EXIT_LOST,
     Shutdown,
     ShutdownPolicy,
     ShutdownReport,
 )
+from quiesce.signal_guard import SignalOwnership
 
 FAST_DRAIN = DrainConfig(router_grace_s=0.0, poll_base_s=0.001, poll_cap_s=0.004,
                          probe_timeout_s=0.05)
@@ -250,9 +253,10 @@ def make_lifecycle(engine: SimEngine, config: DrainConfig = FAST_DRAIN,
 async def admitted_stream(lifecycle: Lifecycle, engine: SimEngine, request: SimRequest,
                           out: list[int]) -> list[int]:
     """What a worker's request handler does: admit through the gate, then stream."""
-    with lifecycle.gate.admit(request.request_id):
+    with lifecycle.gate.admit(request.request_id) as admission:
         async for token in engine.generate(request):
             out.append(token)
+        admission.finish(Outcome.COMPLETED)
     return out
 
 
@@ -366,7 +370,11 @@ async def test_shutdown_under_load_drains_cleanly() -> None:
             ("stop", StageOutcome.COMPLETED),
             ("abort", StageOutcome.SKIPPED),
             ("engine_shutdown", StageOutcome.COMPLETED),
+            ("close", StageOutcome.SKIPPED),
         ]
+        assert report.outcome == "drained"
+        assert report.requests.completed == len(requests)
+        assert report.lost_requests == 0
         assert engine.kv_freed_early == 0
         assert engine.stopped
         assert state_of(lifecycle) is State.STOPPING
@@ -379,7 +387,9 @@ async def test_shutdown_under_load_drains_cleanly() -> None:
         encoded = json.loads(json.dumps(report.to_dict()))
         assert encoded["exit_code"] == EXIT_CLEAN
         assert [s["stage"] for s in encoded["stages"]] == [
-            "drain", "stop", "abort", "engine_shutdown"]
+            "drain", "stop", "abort", "engine_shutdown", "close"]
+        assert encoded["outcome"] == "drained" and encoded["lost_requests"] == 0
+        assert encoded["requests"]["completed"] == len(requests)
     finally:
         await engine.shutdown()
 
@@ -433,7 +443,9 @@ async def test_held_kv_never_pulled_forces_abort_within_the_budget() -> None:
             ("stop", StageOutcome.COMPLETED),
             ("abort", StageOutcome.COMPLETED),
             ("engine_shutdown", StageOutcome.COMPLETED),
+            ("close", StageOutcome.SKIPPED),
         ]
+        assert report.outcome == "forced"
         assert str(report.aborted_requests) in report.stages[2].detail
         assert state_of(lifecycle) is State.STOPPING
         last = lifecycle.status().last_drain
@@ -464,6 +476,9 @@ async def test_requests_still_running_at_the_deadline_are_aborted_and_counted() 
             with pytest.raises(RequestAborted):
                 await asyncio.wait_for(task, OUTER_S)
         assert lifecycle.gate.inflight == 0  # aborted streams released their admission
+        assert report.outcome == "forced"
+        assert report.lost_requests == 3  # every aborted stream is a loss, in the report
+        assert report.requests.completed == 0
     finally:
         await engine.shutdown()
 
@@ -500,6 +515,7 @@ async def test_abort_that_hangs_times_out_and_run_returns_within_the_budget() ->
         ("stop", StageOutcome.COMPLETED),
         ("abort", StageOutcome.TIMED_OUT),
         ("engine_shutdown", StageOutcome.TIMED_OUT),
+        ("close", StageOutcome.TIMED_OUT),
     ]
     assert engine.abort_cancelled
     assert engine.shutdown_cancelled
@@ -513,7 +529,8 @@ async def test_no_engine_control_makes_abort_unsupported() -> None:
     report = await asyncio.wait_for(Shutdown(lifecycle, None, policy).run(), OUTER_S)
     assert report.exit_code == EXIT_FORCED
     assert stage_outcomes(report)[2:] == [
-        ("abort", StageOutcome.UNSUPPORTED), ("engine_shutdown", StageOutcome.SKIPPED)]
+        ("abort", StageOutcome.UNSUPPORTED), ("engine_shutdown", StageOutcome.SKIPPED),
+        ("close", StageOutcome.TIMED_OUT)]
 
 
 async def test_drain_cap_bounds_the_drain_stage() -> None:
@@ -522,7 +539,91 @@ async def test_drain_cap_bounds_the_drain_stage() -> None:
     engine = FailingAbortEngine()
     report = await asyncio.wait_for(Shutdown(lifecycle, engine, policy).run(), OUTER_S)
     assert report.stages[0].outcome is StageOutcome.TIMED_OUT
-    assert report.elapsed_s < 5.0  # the cap, not the 25 s allowance, bounded it
+    assert report.stages[0].elapsed_s < 5.0  # the cap, not the 25 s allowance, bounded it
+
+
+# -- Shutdown: truth about every admitted request ---------------------------------
+
+
+async def test_a_request_lost_during_the_drain_is_never_drained_and_exits_lost() -> None:
+    """The engine ends one stream itself mid-drain (its own abort, a dead engine): the drain
+    still waits for the rest, but the report says lost with the count, never drained."""
+    engine = SimEngine(SimConfig(decode_step_s=0.005))
+    await engine.start()
+    lifecycle = make_lifecycle(engine)
+    shutdown = Shutdown(lifecycle, engine, ShutdownPolicy(total_s=5.0, cleanup_reserve_s=1.0))
+    try:
+        await lifecycle.start()
+        kept = asyncio.create_task(
+            admitted_stream(lifecycle, engine, SimRequest("kept", max_tokens=20), []))
+        victim_out: list[int] = []
+        victim = asyncio.create_task(
+            admitted_stream(lifecycle, engine, SimRequest("victim", max_tokens=10_000),
+                            victim_out))
+        await until(lambda: bool(victim_out))
+        shutdown.request("SIGTERM")
+        running = asyncio.create_task(shutdown.run())
+        await until(lambda: lifecycle.state is State.DRAINING)
+        assert engine.abort("victim")  # the engine ends it by itself
+        with pytest.raises(RequestAborted):
+            await asyncio.wait_for(victim, OUTER_S)
+        report = await asyncio.wait_for(running, OUTER_S)
+        assert len(await asyncio.wait_for(kept, OUTER_S)) == 20  # the rest still finished
+        assert report.outcome == "lost"
+        assert report.exit_code == EXIT_LOST
+        assert not report.drained
+        assert report.lost_requests == 1
+        assert report.requests.completed == 1
+        assert report.aborted_requests == 0
+        assert report.stages[0].outcome is StageOutcome.LOST
+        last = lifecycle.status().last_drain
+        assert last is not None and not last.drained and last.requests.lost == 1
+    finally:
+        await engine.shutdown()
+
+
+async def test_streams_cut_when_the_listeners_close_are_counted_lost() -> None:
+    """A stream still open after the engine stopped is cut by ``close``: counted lost."""
+    lifecycle, admission = stuck_lifecycle()
+    closed: list[bool] = []
+
+    async def close() -> None:  # what closing a server does to an open response
+        closed.append(True)
+        admission.end_by(asyncio.CancelledError())
+
+    policy = ShutdownPolicy(total_s=0.3, cleanup_reserve_s=0.1)
+    report = await asyncio.wait_for(Shutdown(lifecycle, None, policy).run(close), OUTER_S)
+    assert closed == [True]
+    assert admission.outcome is Outcome.LOST  # cancelled while stopping: not the client
+    assert report.lost_requests == 1
+    assert report.outcome == "forced" and report.exit_code == EXIT_FORCED
+    assert stage_outcomes(report)[-1] == ("close", StageOutcome.TIMED_OUT)
+    assert "1 stream(s) cut" in report.stages[-1].detail
+
+
+async def test_the_engine_gets_its_signals_back_only_after_the_drain() -> None:
+    """The signal permit is granted between the drain and the engine's shutdown."""
+    order: list[str] = []
+
+    class Ownership(SignalOwnership):
+        def permit_shutdown(self) -> None:
+            order.append(f"permit in {lifecycle.state.value}")
+
+    class Engine:
+        async def abort_all(self, reason: str) -> int:
+            return 0
+
+        async def shutdown(self) -> None:
+            order.append("engine shutdown")
+
+    engine = SimEngine()
+    lifecycle = make_lifecycle(engine)
+    await lifecycle.start()
+    report = await asyncio.wait_for(
+        Shutdown(lifecycle, Engine(), ShutdownPolicy(total_s=2.0, cleanup_reserve_s=0.5),
+                 signals=Ownership()).run(), OUTER_S)
+    assert report.drained
+    assert order == ["permit in stopping", "engine shutdown"]
 
 
 # -- Shutdown meets an admin drain ---------------------------------------------------
@@ -582,6 +683,7 @@ async def test_sigterm_after_admin_drain_finished_exits_clean() -> None:
             ("stop", StageOutcome.COMPLETED),
             ("abort", StageOutcome.SKIPPED),
             ("engine_shutdown", StageOutcome.COMPLETED),
+            ("close", StageOutcome.SKIPPED),
         ]
         assert state_of(lifecycle) is State.STOPPING
     finally:

@@ -8,6 +8,7 @@ import pytest
 
 from quiesce import AdmissionGate, ConfigError, PendingWork, Role, StageOutcome
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
+from quiesce.admission import Outcome
 from quiesce.budget import Deadline
 from quiesce.drain import (
     Backoff,
@@ -50,7 +51,7 @@ async def test_wait_admitted_zero_completes_on_release_and_times_out_otherwise()
     admission = gate.admit()
     waiting = asyncio.create_task(wait_admitted_zero(gate, Deadline.after(None)))
     await asyncio.sleep(0)
-    admission.release()
+    admission.finish(Outcome.COMPLETED)
     report = await asyncio.wait_for(waiting, timeout=5)
     assert report.outcome is StageOutcome.COMPLETED
     gate.admit()

@@ -29,7 +29,7 @@ from quiesce import (
     Verdict,
     WorkerDraining,
 )
-from quiesce.admission import Admission
+from quiesce.admission import Admission, Outcome
 from quiesce.drain import DrainReport
 from quiesce.lifecycle import DrainRun, Lifecycle, State
 
@@ -44,7 +44,8 @@ Mode = Literal["zero", "busy", "unknown", "raise", "hang"]
 STAGES = ("unregister", "router_grace", "close_admission", "inflight", "engine", "publish")
 
 STATUS_KEYS = {"state", "generation", "inflight_requests", "accepting", "discovery_registered",
-               "since", "seconds_in_state", "last_error", "pending_work", "drain", "last_drain"}
+               "since", "seconds_in_state", "last_error", "pending_work", "drain", "last_drain",
+               "requests"}
 
 
 class ScriptedProbe:
@@ -287,7 +288,7 @@ async def test_drain_admits_during_router_grace_then_publishes_drained(workers: 
     await asyncio.sleep(0.01)  # let the run do whatever it would
     assert h.lc.state is State.DRAINING and not run.task.done()
 
-    admitted[0].release()
+    admitted[0].finish(Outcome.COMPLETED)
     report = await finished(run)
     assert report.drained and report.outcome is StageOutcome.COMPLETED
     assert report.generation == run.generation
@@ -304,14 +305,14 @@ async def test_admission_closed_after_grace_raises_worker_draining(workers: Work
     h = await workers.new("busy")
     run = await h.lc.drain()
     await until(lambda: not h.gate.accepting, "admission to close")
-    rejected = h.gate.rejected_total
+    rejected = h.gate.refused_total
 
     with pytest.raises(WorkerDraining) as info:
         h.gate.admit("too-late")
     assert info.value.retryable is True
     assert info.value.state == "draining"
     assert info.value.request_id == "too-late"
-    assert h.gate.rejected_total == rejected + 1
+    assert h.gate.refused_total == rejected + 1
     assert h.gate.inflight == 0
     assert h.lc.state is State.DRAINING
 
@@ -320,7 +321,7 @@ async def test_admission_closed_after_grace_raises_worker_draining(workers: Work
     assert (await finished(run)).drained
     with pytest.raises(WorkerDraining):
         h.gate.admit("after-drained")
-    assert h.gate.rejected_total == rejected + 2
+    assert h.gate.refused_total == rejected + 2
 
 
 async def test_unregistered_worker_skips_grace_and_closes_at_once(workers: Workers) -> None:
@@ -336,17 +337,21 @@ async def test_unregistered_worker_skips_grace_and_closes_at_once(workers: Worke
 
 async def test_drained_not_published_while_a_request_is_admitted(workers: Workers) -> None:
     h = await workers.new("zero")
-    with h.gate.admit("long-generation"):
+    with h.gate.admit("long-generation") as admission:
         run = await h.lc.drain()
         await until(lambda: run.stage == "inflight", "the in-flight stage")
         await asyncio.sleep(0.02)
         assert h.lc.state is State.DRAINING
         assert h.lc.status().inflight_requests == 1
-    assert (await finished(run)).drained
+        admission.finish(Outcome.COMPLETED)
+    report = await finished(run)
+    assert report.drained
+    assert report.requests.completed == 1 and report.requests.lost == 0
     assert h.lc.state is State.DRAINED
 
 
-async def test_request_released_by_an_exception_lets_the_drain_finish(workers: Workers) -> None:
+async def test_request_ended_by_an_exception_ends_the_drain_lost(workers: Workers) -> None:
+    """An exception nobody mapped to an outcome is a loss: the run ends, never drained."""
     h = await workers.new("zero")
     release = asyncio.Event()
 
@@ -363,7 +368,12 @@ async def test_request_released_by_an_exception_lets_the_drain_finish(workers: W
     release.set()
     with pytest.raises(RuntimeError, match="client disconnected"):
         await task
-    assert (await finished(run)).drained
+    report = await finished(run)
+    assert not report.drained
+    assert report.outcome is StageOutcome.LOST
+    assert report.requests.lost == 1
+    assert h.lc.state is State.DRAINING
+    assert "1 admitted request(s) lost during the drain" in (h.lc.last_error or "")
 
 
 @pytest.mark.parametrize(
@@ -618,7 +628,7 @@ async def test_resume_from_draining_cancels_the_run_and_serves(
     last = h.lc.status().last_drain
     assert last is not None and last.generation == run.generation
     assert last.outcome is StageOutcome.CANCELLED
-    h.gate.admit("after-resume").release()
+    h.gate.admit("after-resume").finish(Outcome.COMPLETED)
 
     # a later drain is a new run of a new generation
     fresh = await h.lc.drain()
@@ -638,7 +648,7 @@ async def test_resume_from_drained_serves_again(workers: Workers) -> None:
     assert h.discovery.register_calls == 2
     report = run.report
     assert report is not None and report.drained  # it had finished; nothing to cancel
-    h.gate.admit("after-resume").release()
+    h.gate.admit("after-resume").finish(Outcome.COMPLETED)
 
 
 async def test_drain_after_a_run_that_ran_out_of_budget_starts_a_fresh_run(
@@ -751,7 +761,7 @@ async def test_resume_admits_before_registration_completes(workers: Workers) -> 
     await asyncio.wait_for(h.discovery.register_entered.wait(), WAIT_S)
     assert h.lc.state is State.SERVING
     assert h.gate.accepting and not h.discovery.registered
-    h.gate.admit("early").release()
+    h.gate.admit("early").finish(Outcome.COMPLETED)
     h.discovery.register_gate.set()
     await asyncio.wait_for(resume, WAIT_S)
     assert h.discovery.registered
@@ -821,7 +831,7 @@ async def test_blocked_unregister_keeps_admitting_until_it_returns(workers: Work
     run = await h.lc.drain()
     await asyncio.wait_for(h.discovery.unregister_entered.wait(), WAIT_S)
     assert run.stage == "unregister" and h.lc.state is State.DRAINING
-    h.gate.admit("routed-meanwhile").release()
+    h.gate.admit("routed-meanwhile").finish(Outcome.COMPLETED)
     h.discovery.unregister_gate.set()
     assert (await finished(run)).drained
     assert not h.discovery.registered

@@ -1,7 +1,8 @@
 """Stateful property test of :class:`quiesce.lifecycle.Lifecycle`.
 
-Hypothesis drives random interleavings of: admitting, finishing and cancelling
-requests, starting drains (with and without a budget), resuming (also with a failing
+Hypothesis drives random interleavings of: admitting requests, ending them in every
+outcome (completed, lost, client gone, rejected, or by an exception) and cancelling
+them, starting drains (with and without a budget), resuming (also with a failing
 registration), changing the fake probe's answers, letting time pass, and a SIGTERM
 (:class:`quiesce.shutdown.Shutdown`). The safety properties are checked at the very
 moment of every transition (through :meth:`Lifecycle.add_listener`) and after every step.
@@ -45,9 +46,9 @@ from quiesce import (
     Role,
     WorkerDraining,
 )
-from quiesce.admission import Admission
+from quiesce.admission import Admission, Outcome
 from quiesce.lifecycle import DrainRun, EventKind, Lifecycle, LifecycleEvent, State
-from quiesce.shutdown import EXIT_CLEAN, EXIT_FORCED, Shutdown, ShutdownPolicy
+from quiesce.shutdown import EXIT_CLEAN, EXIT_FORCED, EXIT_LOST, Shutdown, ShutdownPolicy
 
 T = TypeVar("T")
 
@@ -140,13 +141,15 @@ class Held:
     done: asyncio.Event
     task: asyncio.Task[None] = dataclasses.field(init=False)
     fail: bool = False
+    outcome: Outcome = Outcome.COMPLETED
 
 
 async def _serve(held: Held) -> None:
     with held.admission:
         await held.done.wait()
-        if held.fail:
+        if held.fail:  # an exception nobody mapped: counted lost
             raise RuntimeError("request failed")
+        held.admission.finish(held.outcome)
 
 
 class FakeEngine:
@@ -189,6 +192,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.last_resume_generation = 0
         self.violations: list[str] = []
         self.max_generation = 0
+        # model of the losses: how many requests ended lost, and how many had when each
+        # drain run (by generation) began
+        self.lost = 0
+        self.lost_at_drain_start: dict[int, int] = {}
         self.lc.add_listener(self._on_event)
         self._run(self.lc.start())
 
@@ -206,6 +213,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.violations.append(f"generation jumped {previous_generation} -> {event}")
         if event.state is State.DRAINING:
             self.drain_starts.add(event.generation)
+            self.lost_at_drain_start[event.generation] = self.lost
         elif event.state is State.SERVING:
             self.last_resume_generation = event.generation
         elif event.state is State.DRAINED:
@@ -219,6 +227,9 @@ class LifecycleMachine(RuleBasedStateMachine):
             bad(f"came from {previous.value}, not draining")
         if self.gate.inflight:
             bad(f"{self.gate.inflight} request(s) still admitted")
+        run_start = self.lost_at_drain_start.get(event.generation - 1)
+        if run_start is None or self.lost != run_start:
+            bad(f"{self.lost - (run_start or 0)} request(s) lost since the run began")
         if self.gate.accepting:
             bad("admission is open")
         if self.probe.steady is not Answer.ZERO or self.probe.script:
@@ -260,7 +271,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.stopped)
     @rule()
     def admit(self) -> None:
-        rejected = self.gate.rejected_total
+        rejected = self.gate.refused_total
         request_id = self.next_request
         self.next_request += 1
         states: list[State] = []
@@ -279,7 +290,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         state = states[0]
         if held is None:
             assert state is not State.SERVING, "a serving worker refused a request"
-            assert self.gate.rejected_total == rejected + 1
+            assert self.gate.refused_total == rejected + 1
         else:
             assert state in (State.SERVING, State.DRAINING), f"admitted while {state.value}"
             self.requests[request_id] = held
@@ -288,15 +299,23 @@ class LifecycleMachine(RuleBasedStateMachine):
     # rules are no-ops without requests instead of having a precondition on it: the
     # enabled rules must not depend on timing, or Hypothesis cannot replay an example.
     @precondition(lambda self: not self.stopped)
-    @rule(pick=st.integers(min_value=0, max_value=1_000), fail=st.booleans())
-    def finish_request(self, pick: int, fail: bool) -> None:
+    @rule(pick=st.integers(min_value=0, max_value=1_000), fail=st.booleans(),
+          outcome=st.sampled_from(list(Outcome)))
+    def finish_request(self, pick: int, fail: bool, outcome: Outcome) -> None:
         held = self._pick(pick)
         if held is None:
             return
         held.fail = fail  # fail: released through the exception path
+        held.outcome = outcome
+        before = self.gate.outcomes()
         held.done.set()
         self._run(self._finish(held))
         assert held.admission.released
+        expected = Outcome.LOST if fail else outcome
+        assert held.admission.outcome is expected
+        assert self.gate.outcomes().ended == before.ended + 1
+        if expected is Outcome.LOST:
+            self.lost += 1
 
     @precondition(lambda self: not self.stopped)
     @rule(pick=st.integers(min_value=0, max_value=1_000))
@@ -307,6 +326,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         held.task.cancel()  # a client disconnect: released through cancellation
         self._run(self._finish(held))
         assert held.admission.released
+        assert held.admission.outcome is Outcome.CLIENT_GONE
 
     @precondition(lambda self: not self.stopped)
     @rule(budget=st.one_of(st.none(), st.sampled_from([0.0, 0.004, 0.02])))
@@ -389,13 +409,17 @@ class LifecycleMachine(RuleBasedStateMachine):
 
         assert self.lc.state is State.STOPPING
         assert not self.gate.accepting
-        assert report.exit_code == (EXIT_CLEAN if report.drained else EXIT_FORCED)
         if report.drained:
+            assert report.exit_code == EXIT_CLEAN and report.outcome == "drained"
             assert held_before == 0 and quiet_before, "clean exit with work outstanding"
             assert report.aborted_requests == 0
-        elif engine is not None:
-            assert report.aborted_requests == held_before == engine.aborted
-            assert not self.requests
+            assert report.requests.lost == 0, "drained with a loss"
+        else:
+            assert report.exit_code in (EXIT_FORCED, EXIT_LOST)
+            assert report.outcome in ("forced", "lost")
+            if engine is not None:
+                assert report.aborted_requests == held_before == engine.aborted
+                assert not self.requests
         if engine is not None:
             assert engine.shut_down
 

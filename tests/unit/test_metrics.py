@@ -30,6 +30,7 @@ from quiesce import (
     WorkerDraining,
 )
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
+from quiesce.admission import Outcome
 from quiesce.lifecycle import DrainRun, EventKind, Lifecycle, LifecycleEvent, State
 from quiesce.metrics import DRAIN_BUCKETS_S, WorkerMetrics
 
@@ -45,7 +46,7 @@ FAMILIES = {
     "quiesce_discovery_registered", "quiesce_admitted_requests", "quiesce_rejected_admissions",
     "quiesce_pending_work", "quiesce_pending_work_known", "quiesce_pending_work_age_seconds",
     "quiesce_drain_duration_seconds", "quiesce_drain_outcomes", "quiesce_probe_reads",
-    "quiesce_probe_errors", "quiesce_transitions",
+    "quiesce_probe_errors", "quiesce_transitions", "quiesce_requests_ended",
 }
 """Every family the module docstring lists (the parser drops counters' ``_total``)."""
 
@@ -195,7 +196,7 @@ async def test_state_flips_serving_draining_drained(engine: SimEngine) -> None:
     assert value(samples, "quiesce_generation") == generation + 1
     assert value(samples, "quiesce_transitions_total", to="draining") == 1
 
-    held.release()
+    held.finish(Outcome.COMPLETED)
     report = await finished(run)
     assert report.drained
     samples = scrape(metrics)
@@ -213,9 +214,9 @@ async def test_inflight_follows_admissions(engine: SimEngine) -> None:
     samples = scrape(metrics)
     assert value(samples, "quiesce_inflight_requests") == 2
     assert value(samples, "quiesce_admitted_requests_total") == 2
-    first.release()
+    first.finish(Outcome.COMPLETED)
     assert value(scrape(metrics), "quiesce_inflight_requests") == 1
-    second.release()
+    second.finish(Outcome.COMPLETED)
     samples = scrape(metrics)
     assert value(samples, "quiesce_inflight_requests") == 0
     assert value(samples, "quiesce_admitted_requests_total") == 2
@@ -283,7 +284,7 @@ async def test_resume_counts_a_cancelled_drain(engine: SimEngine) -> None:
     run = await lifecycle.drain()
     await started(lifecycle)  # the held admission then keeps it draining
     await lifecycle.resume()
-    held.release()
+    held.finish(Outcome.COMPLETED)
     assert run.task.cancelled()  # a cancelled run's report is the lifecycle's last drain
     last = lifecycle.status().last_drain
     assert last is not None and last.outcome.value == "cancelled"

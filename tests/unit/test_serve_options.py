@@ -6,8 +6,10 @@ import argparse
 
 import pytest
 
+from quiesce.cli import main
 from quiesce.errors import ConfigError
 from quiesce.serve_options import WorkerOptions, add_serve_arguments, options_from_args
+from quiesce.worker import build_serving
 
 
 def parse(*argv: str) -> WorkerOptions:
@@ -36,3 +38,84 @@ def test_a_bad_engine_option_names_its_field(field: str, value: object) -> None:
 def test_an_unknown_dtype_is_refused_by_the_parser() -> None:
     with pytest.raises(SystemExit):
         parse("--dtype", "float8")
+
+
+def test_max_model_len_defaults_to_the_models_own() -> None:
+    assert parse().max_model_len is None
+    assert parse("--max-model-len", "512").max_model_len == 512
+    with pytest.raises(ConfigError) as raised:
+        parse("--max-model-len", "0")
+    assert raised.value.field == "max_model_len"
+
+
+def test_served_model_name_reaches_the_sim_engine() -> None:
+    assert build_serving(parse()).model_names[0] == "quiesce"
+    assert build_serving(parse("--served-model-name", "tiny")).model_names[0] == "tiny"
+    with pytest.raises(ConfigError) as raised:
+        parse("--served-model-name", " ")
+    assert raised.value.field == "served_model_name"
+
+
+def test_the_vllm_engine_serves_the_model_directory_name_by_default() -> None:
+    from quiesce.adapters.vllm.serving import VllmServing
+
+    assert VllmServing("/models/tiny-llama/").model_names == ("tiny-llama",
+                                                               "/models/tiny-llama/")
+    assert VllmServing("/m", served_model_name="x").model_names[0] == "x"
+
+
+def test_kv_transfer_config_is_parsed_as_a_json_object() -> None:
+    config = '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'
+    options = parse("--engine", "vllm", "--model", "/m", "--kv-transfer-config", config)
+    assert options.kv_transfer_config == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert parse("--engine", "vllm", "--model", "/m").kv_transfer_config is None
+
+
+@pytest.mark.parametrize("text,says", [("{kv_connector: Nixl", "not valid JSON"),
+                                       ('["NixlConnector"]', "must be a JSON object")])
+def test_a_bad_kv_transfer_config_names_the_field(text: str, says: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse("--engine", "vllm", "--model", "/m", "--kv-transfer-config", text)
+    assert raised.value.field == "kv_transfer_config"
+    assert says in str(raised.value)
+
+
+def test_a_bad_kv_transfer_config_exits_2_before_anything_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["serve", "--engine", "vllm", "--model", "/nonexistent",
+                 "--kv-transfer-config", "{oops", "--port", "0", "--admin-port", "0"])
+    assert code == 2
+    assert "kv_transfer_config" in capsys.readouterr().err
+
+
+def test_kv_transfer_config_needs_the_vllm_engine() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse("--kv-transfer-config", "{}")
+    assert raised.value.field == "kv_transfer_config"
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("environ,engine_args,available,expected", [
+    ({}, {}, 64 * GIB, 4 * GIB),                 # plenty free: 4 GiB
+    ({}, {}, 8 * GIB, 2 * GIB),                  # a quarter of what is available
+    ({}, {}, None, 4 * GIB),                     # unknown: 4 GiB
+    ({"VLLM_CPU_KVCACHE_SPACE": "1"}, {}, 64 * GIB, None),  # the operator's, read by vLLM
+    ({"VLLM_CPU_KVCACHE_SPACE": ""}, {}, 64 * GIB, 4 * GIB),
+    ({}, {"gpu_memory_utilization": 0.5}, 64 * GIB, None),
+    ({}, {"kv_cache_memory_bytes": GIB}, 64 * GIB, None),
+])
+def test_the_cpu_kv_cache_default_applies_only_when_nothing_was_set(
+        environ: dict[str, str], engine_args: dict[str, object], available: int | None,
+        expected: int | None) -> None:
+    from quiesce.adapters.vllm.serving import cpu_kv_cache_bytes
+
+    assert cpu_kv_cache_bytes(environ, engine_args, available) == expected
+
+
+def test_available_memory_is_read_or_unknown() -> None:
+    from quiesce.adapters.vllm.serving import available_memory_bytes
+
+    available = available_memory_bytes()
+    assert available is None or available > 0

@@ -1,0 +1,336 @@
+"""The disaggregated pair, as an operator runs it: two ``quiesce serve --engine vllm``
+processes on the CPU, a prefill worker (``--role prefill``, NIXL ``kv_producer``) and a
+decode worker (``--role decode``, ``kv_consumer``), each with vLLM's real
+``NixlConnector`` over NIXL's UCX backend and its own side-channel port
+(``VLLM_NIXL_SIDE_CHANNEL_PORT``, read by the spawned EngineCore), and a tiny proxy in
+this process (:mod:`tests.integration.vllm.disagg_proxy`) that sends each completion to
+the prefill worker (one token, KV held for a remote decode) and then, streaming, to the
+decode worker, which pulls the KV from the prefill worker over NIXL.
+
+The scenario: several requests go through the proxy; their prefills finish, so the
+prefill worker has no admitted request left but holds their KV; the decode side is slow
+to pull (the proxy holds the decode requests back: deterministic). Then the prefill
+worker is signalled — SIGTERM to its main process only (the kubelet), to its whole
+process group (a terminal, an init shim), to every one of its processes (systemd,
+``pkill``), and SIGINT to its group (Ctrl-C) — and its drain must wait for the KV sends
+(``kv_sends_held``), with vLLM's own processes alive, until the decoder pulls. Then the
+decode streams complete with every token and the prefill worker exits 0, drained, with
+no request lost.
+
+Engine start-up is slow (~25–50 s each on two CPU cores): the decode worker is started
+once for the module, a fresh prefill worker for each delivery (it exits at the end of
+each). The last test is the negative: a prefill worker whose decoder never pulls ends its
+drain timed out at its budget, exit code 3, never ``drained``. NIXL's own safety net, the
+lease on held blocks (``kv_lease_duration``), is longer than every budget here, so a
+``drained`` can only come from the decoder's pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.vllm.conftest import SKIP_REASON
+from tests.integration.vllm.disagg_proxy import DecodeStream, DisaggProxy
+from tests.integration.worker_process import Worker, start_worker
+
+pytest.importorskip("vllm", reason=SKIP_REASON)
+
+pytestmark = [pytest.mark.slow]
+
+LOOPBACK = "127.0.0.1"
+KV_LEASE_S = 30
+"""The prefill worker's lease on held KV blocks (vLLM's own safety net; its default)."""
+BUDGET_S = 25.0
+"""The prefill worker's shutdown budget: ample for a pull that takes well under a second
+here, and shorter than the lease, so a ``drained`` within it comes from the pull."""
+NEVER_PULLED_BUDGET_S = 8.0
+"""The budget of the prefill worker whose decoder never pulls (its drain gets 6.4 s)."""
+REQUESTS = 3
+DECODE_TOKENS = 12
+HOLD_S = 1.0
+"""How long the decode side keeps waiting once the drain is seen waiting on the KV."""
+WAIT_S = 120.0
+"""Bound of every wait on a worker (a hang fails the test instead of stalling it)."""
+START_S = 300.0
+POLL_S = 0.05
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for what starts inside, then restore them."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def nixl_worker(model: Path, role: str, budget_s: float) -> Iterator[Worker]:
+    """``quiesce serve --engine vllm --role ROLE`` with a NixlConnector and a side channel
+    of its own; on the way out, whatever is left of its processes is killed."""
+    from tests.integration.vllm.tiny_model import engine_kwargs
+
+    kwargs = engine_kwargs()
+    kv_config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role],
+                 "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}}
+    engine = ["--engine", "vllm", "--model", str(model), "--role", role,
+              "--max-model-len", str(kwargs["max_model_len"]), "--dtype", kwargs["dtype"],
+              "--kv-transfer-config", json.dumps(kv_config)]
+    if "gpu_memory_utilization" in kwargs:
+        engine += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
+    side_channel = {"VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port())}
+    with contextlib.ExitStack() as stack:
+        with environ(side_channel):  # the worker process inherits it at its start
+            worker = stack.enter_context(start_worker(
+                "--budget", str(budget_s), "--router-grace", "0.2",
+                engine=tuple(engine), startup_timeout=START_S))
+        try:
+            yield worker
+        finally:
+            # start_worker kills the group only while the main process runs; engine
+            # processes it left behind (the group outlives its leader) go too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def decode_worker(tiny_model: Path) -> Iterator[Worker]:
+    with nixl_worker(tiny_model, "decode", BUDGET_S) as worker:
+        yield worker
+        worker.signal(signal.SIGTERM)
+        worker.finish(BUDGET_S + 30)
+
+
+def deliver(worker: Worker, how: str, sig: signal.Signals) -> list[int]:
+    """Send ``sig`` the way an operator's tooling does; returns the pids signalled."""
+    from quiesce.signal_guard import descendants
+
+    pid = worker.process.pid
+    if how == "main":  # the kubelet
+        os.kill(pid, sig)
+        return [pid]
+    if how == "group":  # a terminal's Ctrl-C, dumb-init, tini -g
+        members = [p for p in [pid, *descendants(pid)] if os.getpgid(p) == pid]
+        os.killpg(pid, sig)
+        return members
+    assert how == "every", how  # systemd KillMode=control-group, pkill
+    every = [pid, *descendants(pid)]
+    for target in every:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, sig)
+    return every
+
+
+def prompt() -> str:
+    """A fresh prompt per request, so that the decoder's own prefix cache never hits."""
+    words = " ".join(f"w{n}" for n in uuid.uuid4().bytes[:12])
+    return f"hello world the quick brown fox {words} jumps over the lazy dog"
+
+
+def completion() -> dict[str, Any]:
+    return {"prompt": prompt(), "max_tokens": DECODE_TOKENS, "ignore_eos": True}
+
+
+def held(status: dict[str, Any]) -> Any:
+    work = status.get("pending_work") or {}
+    return work.get("kv_sends_held")
+
+
+class StatusWatch:
+    """Reads a worker's ``GET /engine/status`` every :data:`POLL_S` until its admin API
+    goes away (the worker exits), keeping every answer."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.seen: list[dict[str, Any]] = []
+        self.ended: str | None = None
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.seen.append(await asyncio.to_thread(self.worker.status))
+            except (httpx.HTTPError, OSError) as exc:
+                self.ended = repr(exc)
+                return
+            await asyncio.sleep(POLL_S)
+
+    async def until(self, check: Callable[[dict[str, Any]], bool], what: str,
+                    timeout: float = WAIT_S, since: int | None = None) -> dict[str, Any]:
+        """The first status for which ``check`` holds, among those read from now on (or
+        from the ``since``-th one)."""
+        start = len(self.seen) if since is None else since
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for status in self.seen[start:]:
+                if check(status):
+                    return status
+            start = len(self.seen)
+            if self.task.done():
+                pytest.fail(f"{what}: the admin API went away ({self.ended}); last status "
+                            f"{self.seen[-1] if self.seen else None}")
+            await asyncio.sleep(POLL_S)
+        pytest.fail(f"{what}: not seen within {timeout}s; last status "
+                    f"{self.seen[-1] if self.seen else None}")
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def until_prefilled(proxy: DisaggProxy, tasks: list[asyncio.Task[DecodeStream]],
+                          count: int) -> None:
+    """Until ``count`` requests have their prefill answered and wait to be decoded."""
+    deadline = time.monotonic() + WAIT_S
+    while proxy.waiting_to_decode < count:
+        for task in tasks:
+            if task.done():
+                task.result()  # a failed prefill raises here
+                pytest.fail("a request went on to decode before it was released")
+        assert time.monotonic() < deadline, "prefills did not finish in time"
+        await asyncio.sleep(POLL_S)
+
+
+def tail(worker: Worker, lines: int = 40) -> str:
+    return "".join(worker.lines[-lines:])
+
+
+def stage(report: dict[str, Any], name: str) -> dict[str, Any]:
+    found: dict[str, Any] = next(s for s in report["stages"] if s["stage"] == name)
+    return found
+
+
+DELIVERIES = [
+    pytest.param("main", signal.SIGTERM, id="sigterm-main-process"),
+    pytest.param("group", signal.SIGTERM, id="sigterm-process-group"),
+    pytest.param("every", signal.SIGTERM, id="sigterm-every-process"),
+    pytest.param("group", signal.SIGINT, id="sigint-process-group"),
+]
+
+
+@pytest.mark.parametrize(("how", "sig"), DELIVERIES)
+async def test_prefill_worker_leaves_only_after_the_decoder_pulled_its_kv(
+        tiny_model: Path, decode_worker: Worker, how: str, sig: signal.Signals) -> None:
+    with nixl_worker(tiny_model, "prefill", BUDGET_S) as prefill:
+        proxy = DisaggProxy(prefill.url, decode_worker.url)
+        release = asyncio.Event()  # the decode side is slow to pull: it waits for this
+        tasks = [asyncio.create_task(proxy.complete(completion(), hold=release))
+                 for _ in range(REQUESTS)]
+        await until_prefilled(proxy, tasks, REQUESTS)
+
+        # every stream on the prefill worker ended; its engine holds the KV for the decoder
+        watch = StatusWatch(prefill)
+        before = await watch.until(lambda s: held(s) == REQUESTS,
+                                   f"{REQUESTS} KV sends held before the signal")
+        assert before["state"] == "serving", before
+        assert before["inflight_requests"] == 0, before
+
+        signalled = deliver(prefill, how, sig)
+        assert len(signalled) >= (2 if how != "main" else 1), signalled  # engine included
+        draining = await watch.until(
+            lambda s: (s["state"] == "draining" and (s.get("drain") or {}).get("stage")
+                       == "engine" and held(s) == REQUESTS),
+            f"drain waiting on {REQUESTS} KV sends after {sig.name} to {how}")
+        assert draining["accepting"] is False and draining["inflight_requests"] == 0
+
+        # it keeps waiting as long as the decoder has not pulled: nothing of it exits
+        await asyncio.sleep(HOLD_S)
+        waiting = await watch.until(lambda s: True, "prefill worker status")
+        assert waiting["state"] == "draining", waiting
+        assert held(waiting) == REQUESTS, waiting  # a dead engine would read unknown
+        assert prefill.process.poll() is None, tail(prefill)
+        alive = [pid for pid in signalled if pid_alive(pid)]
+        assert alive == signalled, f"signalled {signalled}, alive {alive}\n{tail(prefill)}"
+
+        # the decoder pulls now; the prefill worker is notified, frees the KV, drains
+        release.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+        drained = await watch.until(lambda s: s.get("last_drain") is not None,
+                                    "the drain's report", since=0)
+        code, report = await asyncio.to_thread(prefill.finish, BUDGET_S + 30)
+        await watch.stop()
+
+    for result in results:  # each decode stream was read to its end: every token
+        assert result.complete, result
+        assert result.finish_reason == "length", result  # ignore_eos: max_tokens generated
+        assert result.completion_tokens == DECODE_TOKENS, result
+
+    assert report is not None, f"exit code {code}, no exit report\n{tail(prefill)}"
+    assert code == 0, report
+    assert report["drained"] is True and report["outcome"] == "drained", report
+    assert report["signal"] == sig.name, report
+    assert report["lost_requests"] == 0 and report["aborted_requests"] == 0, report
+    drain = stage(report, "drain")
+    assert drain["outcome"] == "completed", report
+    assert drain["elapsed_s"] >= HOLD_S, report  # it waited for the pull
+    assert stage(report, "abort")["outcome"] == "skipped", report
+
+    last = drained["last_drain"]
+    assert last["drained"] is True, last
+    assert stage(last, "engine")["outcome"] == "completed", last
+    assert stage(last, "engine")["elapsed_s"] >= HOLD_S, last
+    assert last["requests"]["lost"] == 0, last
+    assert drained["requests"]["ended_total"]["lost"] == 0, drained
+    assert drained["requests"]["ended_total"]["completed"] == REQUESTS, drained
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_prefill_worker_whose_decoder_never_pulls_times_out_never_drained(
+        tiny_model: Path, decode_worker: Worker) -> None:
+    with nixl_worker(tiny_model, "prefill", NEVER_PULLED_BUDGET_S) as prefill:
+        proxy = DisaggProxy(prefill.url, decode_worker.url)
+        kv_params = await proxy.prefill(completion())  # and the decoder never asks
+        assert kv_params["remote_port"], kv_params
+        watch = StatusWatch(prefill)
+        await watch.until(lambda s: held(s) == 1, "the KV send held before the signal")
+
+        deliver(prefill, "main", signal.SIGTERM)
+        code, report = await asyncio.to_thread(prefill.finish, NEVER_PULLED_BUDGET_S + 30)
+        await watch.stop()
+
+    assert report is not None, f"exit code {code}, no exit report\n{tail(prefill)}"
+    assert code == 3, report
+    assert report["drained"] is False and report["outcome"] == "forced", report
+    drain = stage(report, "drain")
+    assert drain["outcome"] == "timed_out", report
+    assert "kv_sends_held=1" in drain["detail"], report
+    states = {s["state"] for s in watch.seen}
+    assert "drained" not in states, states
+    assert any(held(s) == 1 for s in watch.seen if s["state"] == "draining"), watch.seen[-1:]

@@ -1,0 +1,253 @@
+"""Truth on every shutdown path, with the real vLLM engine on the CPU.
+
+`quiesce serve --engine vllm` under streaming load, stopped the ways a worker really is:
+
+- SIGTERM to the main process (the kubelet);
+- SIGTERM to the whole process group (an init shim: dumb-init, ``tini -g``);
+- SIGINT to the whole process group (Ctrl-C in a terminal);
+- SIGTERM to every process of the worker, one by one (systemd's control-group kill,
+  ``pkill -f``).
+
+Each must drain and lose nothing: every stream is read to its end and must deliver
+exactly its ``max_tokens`` (``ignore_eos``) with finish reason ``length`` and no error
+event; the worker reports ``drained`` with zero lost requests and exits 0 within its
+budget, printing no traceback and no leaked-resource warning. Processes are listed
+with psutil, independently of the worker's own /proc reader.
+
+The forced case: EngineCore is SIGKILLed mid-drain; status and the exit report must
+count every lost stream and never say drained.
+
+The GPU suite (tests/gpu/test_vllm.py) collects this module for the CUDA build.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.vllm.conftest import SKIP_REASON
+from tests.integration.worker_process import TOKEN, worker_env
+
+pytest.importorskip("vllm", reason=SKIP_REASON)
+psutil = pytest.importorskip("psutil", reason="psutil comes with vLLM's environment")
+
+pytestmark = [pytest.mark.slow]
+
+BUDGET_S = 60.0
+STREAMS = 12
+MAX_TOKENS = 96
+ENGINE_CORE = "VLLM::EngineCor"
+"""EngineCore's process name (vLLM sets it; /proc's comm keeps 15 characters)."""
+EXIT_NOISE = ("Traceback", "Exception ignored", "leaked shared_memory", "resource_tracker")
+"""What must not appear in a clean worker's output."""
+
+
+@dataclass
+class ServedWorker:
+    process: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    port: int = 0
+    admin_port: int = 0
+
+    def events(self, kind: str) -> list[dict[str, object]]:
+        found = []
+        for line in list(self.lines):
+            with contextlib.suppress(json.JSONDecodeError):
+                event = json.loads(line)
+                if isinstance(event, dict) and event.get("event") == kind:
+                    found.append(event)
+        return found
+
+    def status(self) -> dict[str, object]:
+        answer = httpx.get(f"http://127.0.0.1:{self.admin_port}/engine/status",
+                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        answer.raise_for_status()
+        data: dict[str, object] = answer.json()
+        return data
+
+    def processes(self) -> list[Any]:
+        """The worker's main process and every descendant (psutil.Process objects)."""
+        main = psutil.Process(self.process.pid)
+        return [main, *main.children(recursive=True)]
+
+
+@contextlib.contextmanager
+def serve(model: Path, *extra: str) -> Iterator[ServedWorker]:
+    """`quiesce serve --engine vllm` in a session of its own (as a container's PID 1 would
+    be), stdout and stderr read together so the test sees everything it printed."""
+    from tests.integration.vllm.tiny_model import engine_kwargs
+
+    kwargs = engine_kwargs()
+    args = [sys.executable, "-m", "quiesce", "serve", "--engine", "vllm", "--model", str(model),
+            "--dtype", kwargs["dtype"], "--port", "0", "--admin-port", "0",
+            "--budget", str(BUDGET_S), "--router-grace", "0.2", *extra]
+    if "gpu_memory_utilization" in kwargs:
+        args += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=worker_env(), start_new_session=True)
+    worker = ServedWorker(process)
+    ready = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            worker.lines.append(line)
+            if '"event": "ready"' in line:
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        ready.wait(300)
+        events = worker.events("ready")
+        assert events, "worker never ready:\n" + "".join(worker.lines[-40:])
+        event = events[0]
+        worker.port = int(event["port"])  # type: ignore[call-overload]
+        worker.admin_port = int(event["admin_port"])  # type: ignore[call-overload]
+        yield worker
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        reader.join(timeout=10)
+
+
+@dataclass
+class Stream:
+    status: int = 0
+    tokens: int = 0
+    finish_reason: str | None = None
+    errors: list[str] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return (self.status == 200 and self.done and not self.errors
+                and self.finish_reason == "length" and self.tokens == MAX_TOKENS)
+
+
+async def stream(port: int, started: asyncio.Event, max_tokens: int = MAX_TOKENS) -> Stream:
+    """One streaming completion read to its end: every event, error events included."""
+    result = Stream()
+    body = {"prompt": "hello world the quick brown fox", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with httpx.AsyncClient(timeout=120) as client, client.stream(
+                "POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as answer:
+            result.status = answer.status_code
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    result.done = True
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.errors.append(str(chunk["error"]))
+                    continue
+                if chunk.get("usage"):
+                    result.tokens = int(chunk["usage"]["completion_tokens"])
+                for choice in chunk.get("choices", []):
+                    started.set()
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+    except httpx.TransportError as exc:  # the worker went away mid-stream: lost
+        result.errors.append(f"transport: {exc!r}")
+    return result
+
+
+def deliver(worker: ServedWorker, how: str) -> None:
+    """Send the stop signal the way ``how`` names."""
+    if how == "main":
+        worker.process.send_signal(signal.SIGTERM)
+    elif how == "group":
+        os.killpg(worker.process.pid, signal.SIGTERM)
+    elif how == "group-sigint":
+        os.killpg(worker.process.pid, signal.SIGINT)
+    elif how == "every-process":
+        for process in worker.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGTERM)
+    else:
+        raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["main", "group", "group-sigint", "every-process"])
+async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: str) -> None:
+    with serve(tiny_model) as worker:
+        ready = worker.events("ready")[0]
+        guard = ready["signal_guard"]
+        assert isinstance(guard, dict) and guard["protected"] is True, guard
+        engine_processes = worker.processes()[1:]
+        assert len(engine_processes) >= 2  # EngineCore and its model runner, at least
+
+        started = [asyncio.Event() for _ in range(STREAMS)]
+        streams = [asyncio.create_task(stream(worker.port, s)) for s in started]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
+        signalled = time.monotonic()
+        deliver(worker, how)
+        code = await asyncio.to_thread(worker.process.wait, BUDGET_S + 30)
+        elapsed = time.monotonic() - signalled
+        results = await asyncio.gather(*streams)
+
+    output = "".join(worker.lines)
+    (report,) = worker.events("exit")
+    assert code == 0, output[-4000:]
+    assert report["outcome"] == "drained" and report["drained"] is True, report
+    assert report["lost_requests"] == 0, report
+    assert report["requests"] == {"completed": STREAMS, "lost": 0, "client_gone": 0,
+                                  "rejected": 0}, report
+    assert elapsed < BUDGET_S, elapsed
+    for result in results:
+        assert result.complete, result
+    for noise in EXIT_NOISE:
+        assert noise not in output, f"{noise!r} printed:\n{output[-4000:]}"
+    for process in engine_processes:  # the engine's processes are gone with the worker
+        assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+
+
+async def test_engine_killed_mid_drain_reports_every_lost_request(tiny_model: Path) -> None:
+    with serve(tiny_model, "--budget", "20", "--reserve", "4") as worker:
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.create_task(stream(worker.port, s, max_tokens=400))
+                   for s in started]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
+        drain = await asyncio.to_thread(
+            httpx.post, f"http://127.0.0.1:{worker.admin_port}/engine/drain",
+            headers={"Authorization": f"Bearer {TOKEN}"}, json={}, timeout=10)
+        assert drain.status_code == 202, drain.text
+        (engine_core,) = [p for p in worker.processes() if p.name() == ENGINE_CORE]
+        engine_core.kill()
+        results = await asyncio.gather(*streams)
+        assert all(r.errors for r in results), results  # every stream says it was cut
+
+        status = await asyncio.to_thread(worker.status)
+        assert status["state"] == "draining", status  # never drained
+        requests = status["requests"]
+        assert isinstance(requests, dict)
+        assert requests["ended_since_drain"]["lost"] == len(streams), requests
+
+        worker.process.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(worker.process.wait, 60)
+
+    (report,) = worker.events("exit")
+    assert code != 0
+    assert report["drained"] is False and report["outcome"] in ("forced", "lost"), report
+    assert report["lost_requests"] == len(streams), report
