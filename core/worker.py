@@ -2,9 +2,11 @@
 
 One process, one event loop, two HTTP servers:
 
-- the serving API on ``--port``: an OpenAI-compatible ``POST /v1/completions``
+- the serving API on ``--port`` (:mod:`quiesce.openai_api`): OpenAI-compatible
+  ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
   (streaming as server-sent events, or one JSON answer), every request through the
-  admission gate; a closed gate answers 503 with a typed, retryable error;
+  admission gate and ending in one recorded outcome; a closed gate answers 503 with a
+  typed, retryable error;
 - the admin API on ``--admin-port`` (:mod:`quiesce.server`).
 
 SIGTERM or SIGINT runs the budgeted shutdown (:mod:`quiesce.shutdown`); a second
@@ -129,7 +131,7 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     if early:
         shutdown.request(early[0].name)
 
-    api = EmbeddedServer(create_completions_app(serving, gate, options.engine),
+    api = EmbeddedServer(create_completions_app(serving, gate),
                          bind_socket(options.host, options.port))
     admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
                                             metrics=WorkerMetrics(lifecycle),

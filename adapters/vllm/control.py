@@ -6,15 +6,22 @@ request finished are not requests any more: vLLM frees them when the decoder rea
 them, when their NIXL lease expires, or when the engine shuts down; the count does not
 include them.
 
-``shutdown`` runs vLLM's own clean shutdown, ``AsyncLLM.shutdown(timeout)``, in its own
-order (checked on 0.32): the client detaches its finalizer and SIGTERMs EngineCore;
+``shutdown`` first cancels the frontend's output handler, then runs vLLM's own clean
+shutdown, ``AsyncLLM.shutdown(timeout)``, in its own order (checked on 0.32): the
+client detaches its finalizer and SIGTERMs EngineCore;
 EngineCore leaves its busy loop, closes its model runners' death pipes and waits for
 them (``MultiprocExecutor._ensure_worker_termination``, polling every 0.1 s), tears down
 its scheduler and distributed state, and exits; the client joins it (``timeout``, then
 SIGKILL of the whole tree, which would leave its shared-memory segments to the
 resource tracker's "leaked" warning), closes its sockets and cancels the output
-handler. The worker calls it only once the drain proved the engine idle, with the
-engine's signal handlers permitted, so nothing is aborted by it. The time it takes is
+handler. That last step comes too late: closing the client cancels its output-socket
+task, which hands ``EngineDeadError`` to the output handler, and whenever the loop runs
+the handler before the cancellation arrives, it logs "AsyncLLM output_handler failed"
+with a traceback at ERROR level (seen in about one shutdown in two here). With the
+handler cancelled (and awaited) first, nothing reads the outputs queue any more. The
+worker calls ``shutdown`` only once the drain proved the engine idle (or, on the forced
+path, after ``abort_all``, whose requests the frontend finishes itself), with the
+engine's signal handlers permitted, so nothing is lost by it. The time it takes is
 dominated by each engine process's own exit (see :mod:`.exit`).
 
 Afterwards the ``AsyncLLM`` is inert but may live on in reference cycles until the
@@ -49,6 +56,10 @@ class VllmEngineControl:
 
     async def shutdown(self) -> None:
         engine = self.engine
+        handler = getattr(engine, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            await asyncio.wait({handler})  # never raises the handler's CancelledError
         # AsyncLLM.shutdown joins EngineCore synchronously: keep the loop free.
         await asyncio.to_thread(engine.shutdown, self.shutdown_timeout_s)
         # Only after it returned: a shutdown cut short (its stage timed out, the thread

@@ -37,6 +37,12 @@ run yet: only the normal exit would unlink it).
   :meth:`quiesce.signal_guard.SignalOwnership.permit_shutdown`), the process ends with
   :func:`end_process` ``(0)``: the exit code vLLM's own clean path gives it. Without the
   permit (an engine failure, a shutdown quiesce did not start), nothing changes.
+- With the same permit, EngineCore's wait for its model runners
+  (``MultiprocExecutor._ensure_worker_termination``, which polls them every 0.1 s for up
+  to ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``) first waits on their process sentinels for
+  that long, so it returns when the last one exits rather than at the next poll; vLLM's
+  own wait (and its SIGTERM, then SIGKILL, of a model runner still alive) follows
+  unchanged.
 """
 
 from __future__ import annotations
@@ -45,9 +51,11 @@ import atexit
 import contextlib
 import functools
 import logging
+import multiprocessing.connection
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sized
 from multiprocessing import resource_tracker
 from pathlib import Path
@@ -183,6 +191,21 @@ def _with_subclasses(cls: type) -> list[type]:
     return found
 
 
+def _prompt_wait(original: Callable[[list[Any]], None]) -> Callable[[list[Any]], None]:
+    def ensure_worker_termination(worker_procs: list[Any]) -> None:
+        if _owner_permitted():
+            from vllm import envs  # noqa: PLC0415 (vLLM is optional)
+
+            deadline = time.monotonic() + float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
+            while (alive := [p.sentinel for p in worker_procs if p.is_alive()]) \
+                    and (left := deadline - time.monotonic()) > 0:
+                multiprocessing.connection.wait(alive, timeout=left)
+        original(worker_procs)
+
+    setattr(ensure_worker_termination, _WRAPPED, True)
+    return ensure_worker_termination
+
+
 def install_engine_exit() -> bool:
     """In a vLLM engine process started by a quiesce worker, end the process as soon as
     vLLM's own teardown of it returned (see the module docstring). Returns whether it
@@ -192,10 +215,16 @@ def install_engine_exit() -> bool:
         return False
     try:
         from vllm.v1.engine.core import EngineCore  # noqa: PLC0415 (vLLM is optional)
-        from vllm.v1.executor.multiproc_executor import WorkerProc  # noqa: PLC0415
+        from vllm.v1.executor.multiproc_executor import (  # noqa: PLC0415
+            MultiprocExecutor,
+            WorkerProc,
+        )
     except ImportError:
         return False
     track_shared_memory()
     for cls in (*_with_subclasses(EngineCore), WorkerProc):
         _wrap_shutdown(cls)
+    wait = MultiprocExecutor.__dict__.get("_ensure_worker_termination")
+    if isinstance(wait, staticmethod) and not getattr(wait.__func__, _WRAPPED, False):
+        MultiprocExecutor._ensure_worker_termination = staticmethod(_prompt_wait(wait.__func__))
     return True

@@ -7,7 +7,10 @@ apart: busy/idle, KV held by a connector until released, a drain that waits for 
 and never lies, the board waking a drain, abort, drift, the probe after shutdown, two DP
 engines (KV held on the second rank), a real NIXL prefill/decode pair
 (two engines on one GPU, each with a share of its memory: QUIESCE_GPU_MEMORY_UTILIZATION),
-and SIGTERM to ``quiesce serve --engine vllm`` under streaming load.
+SIGTERM to ``quiesce serve --engine vllm`` under streaming load, and the signal deliveries
+of test_vllm_signals (main process, process group, SIGINT to the group, every process,
+EngineCore killed mid-drain): on vLLM 0.33 they also check that the plugin still wraps
+vLLM's own handlers there (the ready line's ``signal_guard``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from tests.integration.vllm.conftest import tiny_model  # noqa: E402, F401 (fixt
 from tests.integration.vllm.test_nixl_pair import *  # noqa: E402, F403
 from tests.integration.vllm.test_vllm_dp import *  # noqa: E402, F403
 from tests.integration.vllm.test_vllm_probe import *  # noqa: E402, F403
+from tests.integration.vllm.test_vllm_signals import *  # noqa: E402, F403
 from tests.integration.vllm.test_vllm_worker import *  # noqa: E402, F403
 
 # The star imports brought each module's own marks; this module's are all of them.

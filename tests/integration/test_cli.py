@@ -241,8 +241,10 @@ def test_status_human_summary(serving: Worker) -> None:
     result = cli("status", "--url", serving.admin_url)
     assert result.returncode == 0, explain(result)
     out = result.stdout
-    for label in ("state:", "in-flight:", "pending work:", "registration:", "last error:"):
+    for label in ("state:", "in-flight:", "pending work:", "registration:", "last error:",
+                  "requests:", "signal guard:"):
         assert label in out, out
+    assert "0 lost" in out and "refused at the gate" in out
     assert "serving" in out
     assert "quiescent" in out
     assert "registered with discovery" in out
@@ -291,6 +293,7 @@ def test_drain_wait_lets_every_stream_finish_then_resume(serving: Worker) -> Non
         result = cli("drain", "--wait", "--url", serving.admin_url)
     assert result.returncode == 0, explain(result)
     assert "drained" in result.stdout
+    assert f"{len(streams)} completed, 0 lost" in result.stdout  # how each stream ended
     assert "draining" in result.stderr  # the progress display
     assert_all_completed(streams)
     assert serving.status()["state"] == "drained"

@@ -27,6 +27,7 @@ from quiesce import (
     PendingWork,
     QuiescenceProbe,
     Role,
+    StageOutcome,
     WorkerDraining,
 )
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
@@ -233,6 +234,28 @@ async def test_rejected_counter_increases_after_admission_closes(engine: SimEngi
     samples = scrape(metrics)
     assert value(samples, "quiesce_rejected_admissions_total") == 2
     assert value(samples, "quiesce_accepting") == 0
+
+
+async def test_requests_ended_by_outcome_and_a_lost_drain(engine: SimEngine) -> None:
+    lifecycle, metrics = build(SimProbe(engine))
+    await lifecycle.start()
+    samples = scrape(metrics)
+    for outcome in Outcome:  # every series exists from the start
+        assert value(samples, "quiesce_requests_ended_total", outcome=outcome.value) == 0
+    lifecycle.gate.admit("a").finish(Outcome.COMPLETED)
+    lifecycle.gate.admit("b").finish(Outcome.CLIENT_GONE)
+    lost = lifecycle.gate.admit("c")
+    run = await lifecycle.drain()
+    lost.finish(Outcome.LOST)
+    report = await finished(run)
+    assert report.outcome is StageOutcome.LOST
+    samples = scrape(metrics)
+    assert value(samples, "quiesce_requests_ended_total", outcome="completed") == 1
+    assert value(samples, "quiesce_requests_ended_total", outcome="client_gone") == 1
+    assert value(samples, "quiesce_requests_ended_total", outcome="lost") == 1
+    assert value(samples, "quiesce_requests_ended_total", outcome="rejected") == 0
+    assert drain_samples(samples, "lost")["count"] == 1
+    assert drain_samples(samples, "completed")["count"] == 0
 
 
 async def test_completed_drain_feeds_histogram_and_outcomes(engine: SimEngine) -> None:

@@ -67,6 +67,7 @@ WAIT_S = 120.0
 START_S = 300.0
 POLL_S = 0.05
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+NIXL_EXTRA: dict[str, Any] = {"kv_lease_duration": KV_LEASE_S}
 
 
 def free_loopback_port() -> int:
@@ -99,7 +100,7 @@ def nixl_worker(model: Path, role: str, budget_s: float) -> Iterator[Worker]:
 
     kwargs = engine_kwargs()
     kv_config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role],
-                 "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}}
+                 "kv_connector_extra_config": dict(NIXL_EXTRA)}
     engine = ["--engine", "vllm", "--model", str(model), "--role", role,
               "--max-model-len", str(kwargs["max_model_len"]), "--dtype", kwargs["dtype"],
               "--kv-transfer-config", json.dumps(kv_config)]

@@ -266,6 +266,16 @@ async def test_models_names_the_model_directory(worker: Worker, tiny_model: Path
 
 
 @pytest.mark.slow
+def test_the_no_flags_start_chose_the_cpu_defaults(worker: Worker) -> None:
+    """What vLLM's own log lines (the worker's stdout) say it was given."""
+    log = "".join(worker.lines)
+    assert "dtype=torch.float32" in log  # not vLLM's bfloat16 (SIGILL in its AMX kernel)
+    assert "max_seq_len=2048" in log  # the tiny model's own max_position_embeddings
+    # quiesce sized the KV cache (vLLM says "Auto set" when it sizes it itself)
+    assert "Explicitly set (" in log and "GiB for KV cache" in log
+
+
+@pytest.mark.slow
 async def test_ignore_eos_delivers_exactly_max_tokens(worker: Worker, tiny_model: Path) -> None:
     before = ended(worker)
     events = await stream(worker, "/v1/completions", {
