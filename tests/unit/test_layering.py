@@ -17,7 +17,7 @@ MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "e
               "registry", "signal_guard", "generation"}
 LIFECYCLE = {"lifecycle", "shutdown"}
 FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client",
-         "serve_options", "openai_api", "openai_protocol"}
+         "serve_options", "openai_api", "openai_protocol", "status_format"}
 ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"}}
 """Third-party packages an adapter may import, lazily (inside a function) only."""
 THIRD_PARTY_ALLOWED_IN_FACES = {"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client",
