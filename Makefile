@@ -56,7 +56,7 @@ test: lint typecheck $(VENV)/.installed $(VLLM_VENV)/.installed
 
 bench: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/python -m bench
-	$(VLLM_BIN)/python -m bench.vllm
+	$(VLLM_BIN)/python -m bench.vllm && $(VLLM_BIN)/python -m bench.shutdown
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

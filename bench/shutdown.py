@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -262,6 +263,31 @@ def _shm() -> set[str]:
     return set()
 
 
+def _remove_left(names: Sequence[str]) -> None:
+    """Remove what a run left in /dev/shm (recorded first), unless a live process maps it.
+
+    A worker killed with its process group (a run that failed) takes multiprocessing's
+    resource tracker with it, so nothing else would ever unlink its segments (two vLLM
+    message-queue rings, ~400 MB of memory, per worker).
+    """
+    if not names:
+        return
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            text = maps.read_text(errors="replace")
+            mapped.update(name for name in names if f"/dev/shm/{name}" in text)
+    for name in names:
+        path = Path("/dev/shm", name)
+        if name in mapped:
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+
+
 def _deliver(delivery: str, pid: int) -> None:
     if delivery in ("kubelet", "term_main"):
         os.kill(pid, signal.SIGTERM)
@@ -364,37 +390,43 @@ async def one_run(model: Path, delivery: str, index: int) -> Run:
     env = _env()
     shm_before = _shm()
     worker = WorkerProcess(model, env)
+    poller: StatusPoller | None = None
     try:
-        await asyncio.to_thread(worker.ready.wait, STARTUP_TIMEOUT_S)
-        ports = worker.ports()
-        if ports is None:
-            run.error = (f"not ready within {STARTUP_TIMEOUT_S:g}s "
-                         f"(exit {worker.process.poll()})")
-            return run
-        main = worker.process.pid
-        names = {pid: ("main" if pid == main else _proc_name(pid))
-                 for pid in worker_processes(main)}
-        watch = ProcessWatch(names)
-        poller = StatusPoller(f"http://127.0.0.1:{ports[1]}")
-        poller.start()
-        await _streams_then_signal(run, worker, env, watch)
-        try:
-            run.exit_code = await asyncio.to_thread(worker.process.wait, EXIT_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            run.error = f"still running {EXIT_TIMEOUT_S:g}s after the signal: SIGKILLed"
-        await asyncio.to_thread(watch.wait, EXIT_TIMEOUT_S)
-        poller.stop()
-        run.gone = {names[pid]: at for pid, at in watch.gone.items()}
+        poller = await _measure(run, worker, env)
     except Exception as exc:  # recorded, not raised: the other runs still count
         run.error = f"{type(exc).__name__}: {exc}"
-        return run
     finally:
         worker.close()
         run.wall_s = time.monotonic() - started
     _read_output(run, worker.lines)
-    _drained_at(run, poller)
+    if poller is not None:
+        _drained_at(run, poller)
     run.shm_left = sorted(_shm() - shm_before)
+    _remove_left(run.shm_left)
     return run
+
+
+async def _measure(run: Run, worker: WorkerProcess, env: dict[str, str]) -> StatusPoller | None:
+    """Streams, the delivery, and the worker's exit; None if the worker never got ready."""
+    await asyncio.to_thread(worker.ready.wait, STARTUP_TIMEOUT_S)
+    ports = worker.ports()
+    if ports is None:
+        run.error = f"not ready within {STARTUP_TIMEOUT_S:g}s (exit {worker.process.poll()})"
+        return None
+    main = worker.process.pid
+    names = {pid: ("main" if pid == main else _proc_name(pid)) for pid in worker_processes(main)}
+    watch = ProcessWatch(names)
+    poller = StatusPoller(f"http://127.0.0.1:{ports[1]}")
+    poller.start()
+    await _streams_then_signal(run, worker, env, watch)
+    try:
+        run.exit_code = await asyncio.to_thread(worker.process.wait, EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        run.error = f"still running {EXIT_TIMEOUT_S:g}s after the signal: SIGKILLed"
+    await asyncio.to_thread(watch.wait, EXIT_TIMEOUT_S)
+    poller.stop()
+    run.gone = {names[pid]: at for pid, at in watch.gone.items()}
+    return poller
 
 
 def _drained_at(run: Run, poller: StatusPoller) -> None:
@@ -558,7 +590,8 @@ def build_result(done: Sequence[Run], deliveries: Sequence[str], runs: int,
             "shared_memory' warning, nanobind leak reports), plus any traceback or 'leaked' "
             "line after the signal; samples per run in parameters.runs[].exit_noise. "
             "shm_left_<delivery>: /dev/shm entries that appeared during the run and were "
-            "still there once every process was gone. parameters.runs[].shutdown_warnings: "
+            "still there once every process was gone (removed after being counted, unless a "
+            "live process maps them). parameters.runs[].shutdown_warnings: "
             "WARNING/ERROR log lines between the signal and the exit report (the signal "
             "guard logs each signal an engine process ignored).",
             f"Runs: rounds of one run per delivery (order rotated), at most {runs} per "

@@ -143,7 +143,7 @@ DEFAULT_GRACE_S = 30.0
 DEFAULT_MARGIN_S = 5.0
 MAX_SECONDS = 86_400.0
 """Largest budget or wait the admin API accepts (one day)."""
-POLL_INTERVAL_S = 0.2
+POLL_INTERVAL_S = 0.05
 """How often ``drain --wait`` and ``prestop`` read the worker's status."""
 WAIT_SLACK_S = 2.0
 """``drain --wait`` with a budget: how long past the budget to wait for the worker's verdict."""

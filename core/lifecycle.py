@@ -259,7 +259,13 @@ class Lifecycle:
         return self.gate.outcomes() - run.outcomes_at_start
 
     async def read_status(self, probe_timeout: float = DEFAULT_PROBE_TIMEOUT_S) -> Status:
-        """:meth:`status` with a fresh probe reading (never raises; failures show as unknown)."""
+        """:meth:`status` with a fresh probe reading (never raises; failures show as unknown).
+
+        While stopping, the engine is being shut down and may no longer answer: the probe
+        is not read, and the status shows the last reading the drain took.
+        """
+        if self._state is State.STOPPING:
+            return self.status()
         snapshot = await observe(self.probe, probe_timeout)
         self._emit(EventKind.PROBE_READ, pending_work=snapshot)
         return self.status(snapshot)

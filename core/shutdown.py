@@ -232,10 +232,10 @@ class Shutdown:
         # 4. hand the engine's processes their signals back, then stop the engine
         if self.signals is not None:
             self.signals.permit_shutdown()
-        stages.append(await self._engine_shutdown(budget))
-
-        # 5. let the streams still admitted end, then close the listeners
-        stages.append(await self._close(budget, close))
+        # 5. meanwhile, let the streams still admitted end, then close the listeners
+        #    (admission is closed and leftovers were aborted: neither waits on the other)
+        stages.extend(await asyncio.gather(self._engine_shutdown(budget),
+                                           self._close(budget, close)))
 
         # 6. account for every request admitted since the drain began
         requests = self.lifecycle.gate.outcomes() - since

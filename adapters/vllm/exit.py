@@ -69,7 +69,6 @@ _WRAPPED = "_quiesce_ends_process"
 """Marks a ``shutdown`` this module wrapped (so that installing twice wraps once)."""
 
 
-
 class _Segments:
     owned: set[str] | None = None
     """Names of the shared-memory segments this process created and has not unlinked,

@@ -59,6 +59,7 @@ from typing import Any
 from quiesce.signal_guard import guard_process
 
 from .board import BoardFlags, BoardWriter, Counts
+from .exit import install_engine_exit
 
 SNAPSHOT_METHOD = "quiesce_snapshot"
 SUBSCRIBE_METHOD = "quiesce_subscribe"
@@ -201,3 +202,4 @@ def register() -> None:
                            (SUBSCRIBE_METHOD, quiesce_subscribe)):
         if getattr(EngineCore, name, None) is not function:
             setattr(EngineCore, name, function)
+    install_engine_exit()  # only in a quiesce worker's engine processes

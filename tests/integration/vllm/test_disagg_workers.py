@@ -5,7 +5,10 @@ decode worker (``--role decode``, ``kv_consumer``), each with vLLM's real
 (``VLLM_NIXL_SIDE_CHANNEL_PORT``, read by the spawned EngineCore), and a tiny proxy in
 this process (:mod:`tests.integration.vllm.disagg_proxy`) that sends each completion to
 the prefill worker (one token, KV held for a remote decode) and then, streaming, to the
-decode worker, which pulls the KV from the prefill worker over NIXL.
+decode worker, which pulls the KV from the prefill worker over NIXL. The workers' NIXL
+agents run without their progress thread (``nixl_cpu/sitecustomize.py``: it busy-polls a
+whole core per engine, which two engines on this two-core machine cannot afford); NIXL
+then progresses in the calls vLLM's connector makes on each engine step.
 
 The scenario: several requests go through the proxy; their prefills finish, so the
 prefill worker has no admitted request left but holds their KV; the decode side is slow
@@ -21,8 +24,9 @@ Engine start-up is slow (~25–50 s each on two CPU cores): the decode worker is
 once for the module, a fresh prefill worker for each delivery (it exits at the end of
 each). The last test is the negative: a prefill worker whose decoder never pulls ends its
 drain timed out at its budget, exit code 3, never ``drained``. NIXL's own safety net, the
-lease on held blocks (``kv_lease_duration``), is longer than every budget here, so a
-``drained`` can only come from the decoder's pull.
+lease on held blocks (``kv_lease_duration``), is set far longer than any scenario here
+(and each test checks that no lease expired), so a ``drained`` can only come from the
+decoder's pull.
 """
 
 from __future__ import annotations
@@ -51,13 +55,18 @@ pytest.importorskip("vllm", reason=SKIP_REASON)
 pytestmark = [pytest.mark.slow]
 
 LOOPBACK = "127.0.0.1"
-KV_LEASE_S = 30
-"""The prefill worker's lease on held KV blocks (vLLM's own safety net; its default)."""
+KV_LEASE_S = 120
+"""The prefill worker's lease on held KV blocks (vLLM's own safety net; default 30 s):
+far longer than any scenario here, so held KV is freed by the decoder's pull or not at
+all (each test checks that no lease expired)."""
 BUDGET_S = 25.0
-"""The prefill worker's shutdown budget: ample for a pull that takes well under a second
-here, and shorter than the lease, so a ``drained`` within it comes from the pull."""
+"""The prefill worker's shutdown budget: ample for a pull that takes a second or two."""
 NEVER_PULLED_BUDGET_S = 8.0
-"""The budget of the prefill worker whose decoder never pulls (its drain gets 6.4 s)."""
+NEVER_PULLED_RESERVE_S = 2.0
+"""Budget and cleanup reserve of the prefill worker whose decoder never pulls: its drain
+gets the 6 s between them."""
+LEASE_EXPIRED = "Releasing expired KV blocks"
+"""What vLLM's NIXL worker logs when a lease frees held KV (``nixl/base_worker.py``)."""
 REQUESTS = 3
 DECODE_TOKENS = 12
 HOLD_S = 1.0
@@ -65,9 +74,12 @@ HOLD_S = 1.0
 WAIT_S = 120.0
 """Bound of every wait on a worker (a hang fails the test instead of stalling it)."""
 START_S = 300.0
+LEFTOVER_GRACE_S = 15.0
 POLL_S = 0.05
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-NIXL_EXTRA: dict[str, Any] = {"kv_lease_duration": KV_LEASE_S}
+NIXL_CPU_SITE = Path(__file__).resolve().parent / "nixl_cpu"
+"""Put first on the workers' PYTHONPATH: NIXL agents without their busy-polling progress
+thread (see its ``sitecustomize.py``; two such threads take both cores of this machine)."""
 
 
 def free_loopback_port() -> int:
@@ -93,38 +105,57 @@ def environ(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def nixl_worker(model: Path, role: str, budget_s: float) -> Iterator[Worker]:
+def nixl_worker(model: Path, role: str, *serve_args: str) -> Iterator[Worker]:
     """``quiesce serve --engine vllm --role ROLE`` with a NixlConnector and a side channel
     of its own; on the way out, whatever is left of its processes is killed."""
     from tests.integration.vllm.tiny_model import engine_kwargs
 
     kwargs = engine_kwargs()
     kv_config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role],
-                 "kv_connector_extra_config": dict(NIXL_EXTRA)}
+                 "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}}
     engine = ["--engine", "vllm", "--model", str(model), "--role", role,
               "--max-model-len", str(kwargs["max_model_len"]), "--dtype", kwargs["dtype"],
               "--kv-transfer-config", json.dumps(kv_config)]
     if "gpu_memory_utilization" in kwargs:
         engine += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
-    side_channel = {"VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
-                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port())}
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),
+           "PYTHONPATH": os.pathsep.join(
+               p for p in (str(NIXL_CPU_SITE), os.environ.get("PYTHONPATH", "")) if p)}
     with contextlib.ExitStack() as stack:
-        with environ(side_channel):  # the worker process inherits it at its start
+        with environ(env):  # the worker process (and its engine's) inherits it at start
             worker = stack.enter_context(start_worker(
-                "--budget", str(budget_s), "--router-grace", "0.2",
-                engine=tuple(engine), startup_timeout=START_S))
+                "--router-grace", "0.2", *serve_args, engine=tuple(engine),
+                startup_timeout=START_S))
         try:
             yield worker
         finally:
-            # start_worker kills the group only while the main process runs; engine
-            # processes it left behind (the group outlives its leader) go too
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(worker.process.pid, signal.SIGKILL)
+            reap_group(worker)
+
+
+def reap_group(worker: Worker) -> None:
+    """Whatever is left of a worker's processes goes: at once while its main process
+    still runs (a failed test), else after a grace for the ones that end by themselves
+    (multiprocessing's resource tracker unlinks the engine's shared memory as it ends)."""
+    group = worker.process.pid
+    if worker.process.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+        worker.process.wait(timeout=30)
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return  # the group is empty
+        time.sleep(POLL_S)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
 def decode_worker(tiny_model: Path) -> Iterator[Worker]:
-    with nixl_worker(tiny_model, "decode", BUDGET_S) as worker:
+    with nixl_worker(tiny_model, "decode", "--budget", str(BUDGET_S)) as worker:
         yield worker
         worker.signal(signal.SIGTERM)
         worker.finish(BUDGET_S + 30)
@@ -221,6 +252,15 @@ async def until_prefilled(proxy: DisaggProxy, tasks: list[asyncio.Task[DecodeStr
         await asyncio.sleep(POLL_S)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def tail(worker: Worker, lines: int = 40) -> str:
     return "".join(worker.lines[-lines:])
 
@@ -241,44 +281,50 @@ DELIVERIES = [
 @pytest.mark.parametrize(("how", "sig"), DELIVERIES)
 async def test_prefill_worker_leaves_only_after_the_decoder_pulled_its_kv(
         tiny_model: Path, decode_worker: Worker, how: str, sig: signal.Signals) -> None:
-    with nixl_worker(tiny_model, "prefill", BUDGET_S) as prefill:
+    with nixl_worker(tiny_model, "prefill", "--budget", str(BUDGET_S)) as prefill:
         proxy = DisaggProxy(prefill.url, decode_worker.url)
         release = asyncio.Event()  # the decode side is slow to pull: it waits for this
         tasks = [asyncio.create_task(proxy.complete(completion(), hold=release))
                  for _ in range(REQUESTS)]
-        await until_prefilled(proxy, tasks, REQUESTS)
+        watch: StatusWatch | None = None
+        try:
+            await until_prefilled(proxy, tasks, REQUESTS)
 
-        # every stream on the prefill worker ended; its engine holds the KV for the decoder
-        watch = StatusWatch(prefill)
-        before = await watch.until(lambda s: held(s) == REQUESTS,
-                                   f"{REQUESTS} KV sends held before the signal")
-        assert before["state"] == "serving", before
-        assert before["inflight_requests"] == 0, before
+            # every stream on the prefill worker ended; its engine holds the KV for D
+            watch = StatusWatch(prefill)
+            before = await watch.until(lambda s: held(s) == REQUESTS,
+                                       f"{REQUESTS} KV sends held before the signal")
+            assert before["state"] == "serving", before
+            assert before["inflight_requests"] == 0, before
 
-        signalled = deliver(prefill, how, sig)
-        assert len(signalled) >= (2 if how != "main" else 1), signalled  # engine included
-        draining = await watch.until(
-            lambda s: (s["state"] == "draining" and (s.get("drain") or {}).get("stage")
-                       == "engine" and held(s) == REQUESTS),
-            f"drain waiting on {REQUESTS} KV sends after {sig.name} to {how}")
-        assert draining["accepting"] is False and draining["inflight_requests"] == 0
+            signalled = deliver(prefill, how, sig)
+            assert len(signalled) >= (1 if how == "main" else 2), signalled  # engine too
+            draining = await watch.until(
+                lambda s: (s["state"] == "draining" and (s.get("drain") or {}).get("stage")
+                           == "engine" and held(s) == REQUESTS),
+                f"drain waiting on {REQUESTS} KV sends after {sig.name} to {how}")
+            assert draining["accepting"] is False and draining["inflight_requests"] == 0
 
-        # it keeps waiting as long as the decoder has not pulled: nothing of it exits
-        await asyncio.sleep(HOLD_S)
-        waiting = await watch.until(lambda s: True, "prefill worker status")
-        assert waiting["state"] == "draining", waiting
-        assert held(waiting) == REQUESTS, waiting  # a dead engine would read unknown
-        assert prefill.process.poll() is None, tail(prefill)
-        alive = [pid for pid in signalled if pid_alive(pid)]
-        assert alive == signalled, f"signalled {signalled}, alive {alive}\n{tail(prefill)}"
+            # it keeps waiting while the decoder has not pulled; none of its processes exit
+            await asyncio.sleep(HOLD_S)
+            waiting = await watch.until(lambda s: True, "prefill worker status")
+            assert waiting["state"] == "draining", waiting
+            assert held(waiting) == REQUESTS, waiting  # a dead engine would read unknown
+            assert prefill.process.poll() is None, tail(prefill)
+            alive = [pid for pid in signalled if pid_alive(pid)]
+            assert alive == signalled, f"signalled {signalled}, alive {alive}\n{tail(prefill)}"
 
-        # the decoder pulls now; the prefill worker is notified, frees the KV, drains
-        release.set()
-        results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
-        drained = await watch.until(lambda s: s.get("last_drain") is not None,
-                                    "the drain's report", since=0)
-        code, report = await asyncio.to_thread(prefill.finish, BUDGET_S + 30)
-        await watch.stop()
+            # the decoder pulls now; the prefill worker is notified, frees the KV, drains
+            release.set()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+            drained = await watch.until(lambda s: s.get("last_drain") is not None,
+                                        "the drain's report", since=0)
+            code, report = await asyncio.to_thread(prefill.finish, BUDGET_S + 30)
+        finally:
+            for task in tasks:
+                task.cancel()
+            if watch is not None:
+                await watch.stop()
 
     for result in results:  # each decode stream was read to its end: every token
         assert result.complete, result
@@ -295,36 +341,32 @@ async def test_prefill_worker_leaves_only_after_the_decoder_pulled_its_kv(
     assert drain["elapsed_s"] >= HOLD_S, report  # it waited for the pull
     assert stage(report, "abort")["outcome"] == "skipped", report
 
-    last = drained["last_drain"]
+    last = drained["last_drain"]  # the drain run's own report, from the admin API
     assert last["drained"] is True, last
     assert stage(last, "engine")["outcome"] == "completed", last
-    assert stage(last, "engine")["elapsed_s"] >= HOLD_S, last
+    assert stage(last, "engine")["elapsed_s"] >= HOLD_S, last  # the KV sends, then zero
     assert last["requests"]["lost"] == 0, last
     assert drained["requests"]["ended_total"]["lost"] == 0, drained
     assert drained["requests"]["ended_total"]["completed"] == REQUESTS, drained
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie, dead but not reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
+    # the decoder's reads freed the KV, not the lease
+    assert not [line for line in prefill.lines if LEASE_EXPIRED in line], tail(prefill)
 
 
 async def test_prefill_worker_whose_decoder_never_pulls_times_out_never_drained(
         tiny_model: Path, decode_worker: Worker) -> None:
-    with nixl_worker(tiny_model, "prefill", NEVER_PULLED_BUDGET_S) as prefill:
+    with nixl_worker(tiny_model, "prefill", "--budget", str(NEVER_PULLED_BUDGET_S),
+                     "--reserve", str(NEVER_PULLED_RESERVE_S)) as prefill:
         proxy = DisaggProxy(prefill.url, decode_worker.url)
         kv_params = await proxy.prefill(completion())  # and the decoder never asks
         assert kv_params["remote_port"], kv_params
         watch = StatusWatch(prefill)
-        await watch.until(lambda s: held(s) == 1, "the KV send held before the signal")
-
-        deliver(prefill, "main", signal.SIGTERM)
-        code, report = await asyncio.to_thread(prefill.finish, NEVER_PULLED_BUDGET_S + 30)
-        await watch.stop()
+        try:
+            await watch.until(lambda s: held(s) == 1, "the KV send held before the signal")
+            deliver(prefill, "main", signal.SIGTERM)
+            code, report = await asyncio.to_thread(prefill.finish,
+                                                   NEVER_PULLED_BUDGET_S + 30)
+        finally:
+            await watch.stop()
 
     assert report is not None, f"exit code {code}, no exit report\n{tail(prefill)}"
     assert code == 3, report
@@ -332,6 +374,9 @@ async def test_prefill_worker_whose_decoder_never_pulls_times_out_never_drained(
     drain = stage(report, "drain")
     assert drain["outcome"] == "timed_out", report
     assert "kv_sends_held=1" in drain["detail"], report
+    # it waited for the KV until its budget's end (less the cleanup reserve)
+    assert drain["elapsed_s"] >= NEVER_PULLED_BUDGET_S - NEVER_PULLED_RESERVE_S - 0.5, report
+    assert not [line for line in prefill.lines if LEASE_EXPIRED in line], tail(prefill)
     states = {s["state"] for s in watch.seen}
     assert "drained" not in states, states
     assert any(held(s) == 1 for s in watch.seen if s["state"] == "draining"), watch.seen[-1:]

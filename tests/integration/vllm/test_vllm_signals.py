@@ -50,8 +50,11 @@ pytestmark = [pytest.mark.slow]
 BUDGET_S = 60.0
 STREAMS = 12
 MAX_TOKENS = 96
-ENGINE_CORE = "VLLM::EngineCor"
-"""EngineCore's process name (vLLM sets it; /proc's comm keeps 15 characters)."""
+ENGINE_CORE = "VLLM::EngineCore"
+"""EngineCore's process title as psutil reads it (vLLM sets it)."""
+KILLED_STREAMS = 16
+LONG_TOKENS = 1800
+"""Long enough (the tiny model's context is 2048) that the streams outlive the kill."""
 EXIT_NOISE = ("Traceback", "Exception ignored", "leaked shared_memory", "resource_tracker")
 """What must not appear in a clean worker's output."""
 
@@ -224,25 +227,31 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
 
 
 async def test_engine_killed_mid_drain_reports_every_lost_request(tiny_model: Path) -> None:
+    """What the clients saw and what the worker reports must agree, stream for stream."""
     with serve(tiny_model, "--budget", "20", "--reserve", "4") as worker:
-        started = [asyncio.Event() for _ in range(4)]
-        streams = [asyncio.create_task(stream(worker.port, s, max_tokens=400))
+        started = [asyncio.Event() for _ in range(KILLED_STREAMS)]
+        streams = [asyncio.create_task(stream(worker.port, s, max_tokens=LONG_TOKENS))
                    for s in started]
-        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
+        deadline = time.monotonic() + 120
+        while (await asyncio.to_thread(worker.status))["inflight_requests"] < len(streams):
+            assert time.monotonic() < deadline, "the streams never all ran at once"
+            await asyncio.sleep(0.01)
+        (engine_core,) = [p for p in worker.processes() if p.name() == ENGINE_CORE]
         drain = await asyncio.to_thread(
             httpx.post, f"http://127.0.0.1:{worker.admin_port}/engine/drain",
             headers={"Authorization": f"Bearer {TOKEN}"}, json={}, timeout=10)
-        assert drain.status_code == 202, drain.text
-        (engine_core,) = [p for p in worker.processes() if p.name() == ENGINE_CORE]
         engine_core.kill()
+        assert drain.status_code == 202, drain.text
         results = await asyncio.gather(*streams)
-        assert all(r.errors for r in results), results  # every stream says it was cut
+        cut = sum(1 for r in results if not r.complete)
+        assert cut >= 1, results  # the engine died under running streams
+        assert all(r.errors for r in results if not r.complete), results  # each was told
 
         status = await asyncio.to_thread(worker.status)
         assert status["state"] == "draining", status  # never drained
         requests = status["requests"]
         assert isinstance(requests, dict)
-        assert requests["ended_since_drain"]["lost"] == len(streams), requests
+        assert requests["ended_since_drain"]["lost"] == cut, requests
 
         worker.process.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(worker.process.wait, 60)
@@ -250,4 +259,4 @@ async def test_engine_killed_mid_drain_reports_every_lost_request(tiny_model: Pa
     (report,) = worker.events("exit")
     assert code != 0
     assert report["drained"] is False and report["outcome"] in ("forced", "lost"), report
-    assert report["lost_requests"] == len(streams), report
+    assert report["lost_requests"] == cut, report
