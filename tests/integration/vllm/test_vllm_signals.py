@@ -233,7 +233,7 @@ async def test_engine_killed_mid_drain_reports_every_lost_request(tiny_model: Pa
         streams = [asyncio.create_task(stream(worker.port, s, max_tokens=LONG_TOKENS))
                    for s in started]
         deadline = time.monotonic() + 120
-        while (await asyncio.to_thread(worker.status))["inflight_requests"] < len(streams):
+        while (await asyncio.to_thread(worker.status))["inflight_requests"] != len(streams):
             assert time.monotonic() < deadline, "the streams never all ran at once"
             await asyncio.sleep(0.01)
         (engine_core,) = [p for p in worker.processes() if p.name() == ENGINE_CORE]
