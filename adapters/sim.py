@@ -35,7 +35,7 @@ from enum import Enum
 from typing import Any
 
 from quiesce.budget import check_seconds
-from quiesce.errors import ConfigError, RequestAborted
+from quiesce.errors import ConfigError, RequestAborted, RequestRejected
 from quiesce.generation import Delta, Prompt, Sampling
 from quiesce.probe import PendingWork, Probe, Role
 
@@ -206,6 +206,12 @@ class SimEngine:
         if fate is None:
             raise KeyError(f"request {request_id!r} has no remote decode, or was asked already")
         return await fate
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request with this id is still in the engine (any queue, or KV held)."""
+        return (request_id in self._running or request_id in self._held
+                or request_id in self._awaiting_kv or request_id in self._kv_fates
+                or any(r.request.request_id == request_id for r in self._waiting))
 
     def _add(self, request: SimRequest) -> _Live:
         live = _Live(request)
@@ -425,6 +431,8 @@ class SimServing:
 
     async def _deltas(self, request: SimRequest, stop: tuple[str, ...],
                       handle: Mapping[str, Any] | None) -> AsyncIterator[Delta]:
+        if self.engine.holds(request.request_id):  # ids key the engine's queues
+            raise RequestRejected(f"request_id {request.request_id!r} is already in flight")
         holdback = max((len(s) for s in stop), default=1) - 1
         text, sent, pending = "", 0, 0
         tokens = self.engine.generate(request)

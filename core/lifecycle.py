@@ -20,7 +20,8 @@ A drain run, in order (one :class:`~quiesce.budget.Deadline` bounds it all):
 4. wait until nothing is admitted (woken by the gate);
 5. wait until the probe is quiescent (woken by the probe, or short-backoff polling);
 6. publish ``drained`` if the generation is unchanged and no admitted request ended
-   ``lost`` since the run began (otherwise the run ends ``lost``, with the count).
+   ``lost`` since the worker left serving (counted across retried runs; otherwise the
+   run ends ``lost``, with the count).
 
 The run is a detached task: whoever started it may go away without leaving the
 worker stuck in ``draining``. ``resume()`` cancels and joins it, opens admission,
@@ -99,7 +100,8 @@ class DrainRun:
     budget_s: float | None
     started_at: float
     outcomes_at_start: OutcomeCounts = dataclasses.field(default_factory=OutcomeCounts)
-    """The gate's outcome totals when the run began: what ended since is the run's."""
+    """The gate's outcome totals when the worker left serving for this run (for a retried
+    run: for the first run since serving): what ended since counts against this run."""
     ended_at: float | None = None
     task: asyncio.Task[DrainReport] = dataclasses.field(init=False)
     stage: str = "unregister"
@@ -178,6 +180,9 @@ class Lifecycle:
         self._lock = asyncio.Lock()
         self._listeners: list[Listener] = []
         self._unregistering: set[asyncio.Task[None]] = set()
+        self._left_serving = OutcomeCounts()
+        """The gate's outcome totals when the worker last left serving: every drain run
+        since counts its losses from here."""
 
     # -- listeners ----------------------------------------------------------------
 
@@ -307,8 +312,13 @@ class Lifecycle:
                 return run
             if self._state is State.DRAINING and run is not None and not run.task.done():
                 return run
-            # serving, or draining after a run that ended without drained: a fresh run
-            why = "drain requested" if self._state is State.SERVING else "drain retried"
+            # serving, or draining after a run that ended without drained: a fresh run.
+            # Losses count from when the worker left serving, across retried runs, so a
+            # run that failed with a loss cannot be followed by one that hides it.
+            if self._state is State.SERVING:
+                why, self._left_serving = "drain requested", self.gate.outcomes()
+            else:
+                why = "drain retried"
             return self._start_run(budget_s if budget_s is not None else self.config.budget_s,
                                    why)
 
@@ -318,7 +328,7 @@ class Lifecycle:
         generation = self._generation
         deadline = Deadline.after(budget_s, self._clock)
         run = DrainRun(generation=generation, budget_s=budget_s, started_at=self._clock(),
-                       outcomes_at_start=self.gate.outcomes())
+                       outcomes_at_start=self._left_serving)
         run.task = asyncio.get_running_loop().create_task(
             self._drain_run(run, deadline), name=f"quiesce-drain-{generation}")
         # A run cancelled before its first step never reaches its own except clause.
@@ -478,6 +488,7 @@ class Lifecycle:
             self._transition(State.SERVING, "resume requested")
             generation = self._generation
             self._last_error = None
+            resumed_at = self.gate.outcomes()
             self.gate.open()  # admit before routers can see us again
             try:
                 await self._register_bounded(
@@ -491,6 +502,7 @@ class Lifecycle:
                 message = (f"resume failed: discovery registration raised "
                            f"{type(exc).__name__}: {exc}")
                 log.error("%s; closing admission and draining again", message)
+                self._left_serving = resumed_at  # the brief serving window counts too
                 self._start_run(self.config.budget_s, "resume rolled back")
                 self._last_error = message
                 raise ResumeFailed(message) from exc

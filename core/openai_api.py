@@ -57,9 +57,6 @@ from quiesce.openai_protocol import (
 from quiesce.probe import QuiescenceProbe
 from quiesce.server import error_response
 
-COMPLETED_REASONS = FINISHED_BY_ENGINE
-"""Finish reasons that mean the engine finished the request itself."""
-
 
 class ServingEngine(Protocol):
     """What the reference worker needs from an engine (``SimServing``, ``VllmServing``)."""
@@ -265,8 +262,12 @@ async def _answer(deltas: AsyncIterator[Delta], shape: _Shape, admission: Admiss
     if last is None or last.finish_reason not in FINISHED_BY_ENGINE:
         admission.finish(Outcome.LOST)
         return error_response(503, "request_aborted", UNFINISHED)
-    return AdmittedAnswer(shape.answer("".join(text), last, usage), admission,
-                          Outcome.COMPLETED)
+    try:  # rendering the answer can fail too (e.g. a connector's odd kv_transfer_params)
+        return AdmittedAnswer(shape.answer("".join(text), last, usage), admission,
+                              Outcome.COMPLETED)
+    except BaseException as exc:
+        admission.end_by(exc)
+        raise
 
 
 def create_completions_app(serving: ServingEngine, gate: AdmissionGate,

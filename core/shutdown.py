@@ -146,6 +146,12 @@ class Shutdown:
         for sig in SIGNALS:
             loop.add_signal_handler(sig, self._on_first_signal, sig, loop)
 
+    def on_signal(self, sig: signal.Signals,
+                  loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """A SIGTERM/SIGINT arrived (also one kept from before the handlers were installed):
+        start the shutdown; from now on the next signal exits at once."""
+        self._on_first_signal(sig, loop if loop is not None else asyncio.get_running_loop())
+
     def _on_first_signal(self, sig: signal.Signals, loop: asyncio.AbstractEventLoop) -> None:
         # Two signals read in one batch queue two callbacks: the second one is a second signal.
         if self._signal_seen:
@@ -197,7 +203,8 @@ class Shutdown:
         drain_outcome = StageOutcome.FAILED
         try:
             run = await self.lifecycle.drain(budget_s=allowance)
-            since = run.outcomes_at_start  # an admin drain (preStop) may have begun earlier
+            # an admin drain (preStop) may have left serving earlier than the signal came
+            since = min(run.outcomes_at_start, since, key=lambda counts: counts.ended)
             report = await run.wait(timeout=allowance)
             drained = report is not None and report.drained
             if drained:
@@ -237,8 +244,12 @@ class Shutdown:
         stages.extend(await asyncio.gather(self._engine_shutdown(budget),
                                            self._close(budget, close)))
 
-        # 6. account for every request admitted since the drain began
+        # 6. account for every request admitted since the drain began; a stream still
+        #    open now is cut when the process exits: lost
         requests = self.lifecycle.gate.outcomes() - since
+        if self.lifecycle.gate.inflight:
+            requests = dataclasses.replace(
+                requests, lost=requests.lost + self.lifecycle.gate.inflight)
         clean = drained and requests.lost == 0
         if clean:
             outcome, code = "drained", EXIT_CLEAN
@@ -273,7 +284,8 @@ class Shutdown:
                                    f"{type(exc).__name__}: {exc}")
         if waited.outcome is not StageOutcome.COMPLETED:
             return StageReport("close", StageOutcome.TIMED_OUT, self._clock() - t,
-                               f"{cut} stream(s) cut when the listeners closed")
+                               f"{cut} stream(s) cut when the listeners closed"
+                               if close is not None else f"{cut} stream(s) still open")
         return StageReport("close", StageOutcome.COMPLETED if close is not None
                            else StageOutcome.SKIPPED, self._clock() - t,
                            "" if close is not None else "no listeners to close")

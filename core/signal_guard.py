@@ -51,6 +51,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -142,9 +143,11 @@ class _GuardedHandler:
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if not self.owner.permits():
-            log.warning("quiesce: %s (pid %d) ignores %s: worker pid %d owns the shutdown "
-                        "and drains first", self.name, os.getpid(), self.sig.name,
-                        self.owner.pid)
+            # os.write, not logging: a handler may interrupt a write to the same stream
+            with contextlib.suppress(OSError):
+                os.write(2, f"quiesce: {self.name} (pid {os.getpid()}) ignores "
+                            f"{self.sig.name}: worker pid {self.owner.pid} owns the shutdown "
+                            f"and drains first\n".encode())
             return
         previous = self.previous
         if callable(previous):
@@ -211,9 +214,11 @@ class GuardReport:
 class SignalOwnership:
     """The owner's side (see the module docstring). One per worker process."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.directory: Path | None = None
         self.permitted = False
+        self._clock = clock
+        self._cached: tuple[float, GuardReport] | None = None
 
     def claim(self) -> None:
         """Make the directory and export :data:`OWNER_ENV`; before the engine starts."""
@@ -231,14 +236,20 @@ class SignalOwnership:
             (self.directory / PERMIT).touch()
         self.permitted = True
 
-    def report(self) -> GuardReport:
-        """Every descendant process of this one, and whether each is protected."""
+    def report(self, max_age_s: float = 0.0) -> GuardReport:
+        """Every descendant process of this one, and whether each is protected; a report
+        at most ``max_age_s`` old is reused (status pages ask often; this scans /proc)."""
+        now = self._clock()
+        if self._cached is not None and now - self._cached[0] <= max_age_s:
+            return self._cached[1]
         try:
             children = descendants(os.getpid())
         except OSError as exc:
             return GuardReport((), f"{type(exc).__name__}: {exc}")
         guarded = self._guarded()
-        return GuardReport(tuple(_classify(pid, guarded) for pid in children))
+        report = GuardReport(tuple(_classify(pid, guarded) for pid in children))
+        self._cached = (now, report)
+        return report
 
     def _guarded(self) -> dict[int, str]:
         """pid → the handler each guarded process wraps (from its marker)."""
@@ -265,13 +276,17 @@ def _classify(pid: int, guarded: dict[int, str]) -> ProcessGuard:
     name = _read(pid, "comm").strip() or "?"
     if pid in guarded:
         return ProcessGuard(pid, name, True, f"guarded (wraps {guarded[pid]})")
-    ignored = _signal_mask(pid, "SigIgn")
-    if ignored is not None and all(ignored >> (sig - 1) & 1 for sig in GUARDED_SIGNALS):
+    if _ignores_signals(pid):
         return ProcessGuard(pid, name, True, "ignores signals")
     caught = _signal_mask(pid, "SigCgt")
     how = ("runs its own handler" if caught is not None and caught >> (signal.SIGTERM - 1) & 1
            else "dies of the signal")
     return ProcessGuard(pid, name, False, how)
+
+
+def _ignores_signals(pid: int) -> bool:
+    ignored = _signal_mask(pid, "SigIgn")
+    return ignored is not None and all(ignored >> (sig - 1) & 1 for sig in GUARDED_SIGNALS)
 
 
 def _read(pid: int, name: str) -> str:
@@ -312,9 +327,11 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_descendants() -> int:
-    """SIGKILL every descendant of this process (the forced exit). Returns how many."""
+    """SIGKILL every descendant of this process (the forced exit) but those that ignore
+    SIGTERM and SIGINT by themselves: Python's resource tracker must outlive the engine to
+    unlink the shared memory it leaves. Returns how many were killed."""
     try:
-        victims = descendants(os.getpid())
+        victims = [pid for pid in descendants(os.getpid()) if not _ignores_signals(pid)]
     except OSError:
         return 0
     for pid in victims:

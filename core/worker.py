@@ -129,14 +129,16 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
                         signals=signals)
     shutdown.install_signal_handlers()
     if early:
-        shutdown.request(early[0].name)
+        shutdown.on_signal(early[0])
 
     api = EmbeddedServer(create_completions_app(serving, gate),
                          bind_socket(options.host, options.port))
+    def guard_status() -> dict[str, object]:  # the CLI polls status every 50 ms
+        return {"signal_guard": signals.report(max_age_s=1.0).to_dict()}
+
     admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
                                             metrics=WorkerMetrics(lifecycle),
-                                            extra_status=lambda: {
-                                                "signal_guard": signals.report().to_dict()}),
+                                            extra_status=guard_status),
                            bind_socket(options.admin_host, options.admin_port))
     await api.start()
     await admin.start()

@@ -29,6 +29,7 @@ validation errors, e.g. a prompt longer than the context) raise
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -40,6 +41,7 @@ from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling
 from quiesce.probe import Role
 
 from .control import VllmEngineControl
+from .exit import track_shared_memory
 from .probe import VllmProbe
 
 log = logging.getLogger("quiesce.adapters.vllm.serving")
@@ -162,7 +164,16 @@ class VllmServing:
 
         args = AsyncEngineArgs(model=self.model, tokenizer=self.model,
                                max_model_len=self.max_model_len, **self._resolved_args())
-        self.engine = AsyncLLM.from_engine_args(args)
+        # Engine processes are spawned, never forked, as `vllm serve` does too: a forked
+        # child inherits vLLM's "plugins loaded" flag and would never run quiesce's plugin,
+        # so its signal handlers would stay unguarded (vLLM forks by default on CUDA).
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # Count the shared memory this process creates, so that its fast exit can tell
+        # whether a segment still waits for its finalizer (.exit.end_process).
+        track_shared_memory()
+        # Off the event loop: loading the model takes long, and a signal meanwhile must
+        # still reach the worker's handlers (a second one forces the exit).
+        self.engine = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._context = int(self.engine.model_config.max_model_len)
         try:  # the model's generation config, as vLLM's own server applies it
             diff = self.engine.model_config.get_diff_sampling_param()
@@ -246,6 +257,9 @@ class VllmServing:
             raise RequestAborted(f"request {request_id}: vLLM failed to generate "
                                  f"({cause!r})") from exc
         except client_errors as exc:
+            if produced:  # the request was valid; the engine failed it part-way: lost
+                raise RequestAborted(f"request {request_id}: vLLM failed it part-way "
+                                     f"({exc!r})") from exc
             raise RequestRejected(str(exc)) from exc
         except Exception as exc:  # e.g. vLLM's queue limits: the engine refused it (lost)
             raise RequestAborted(f"request {request_id}: vLLM refused or failed it "

@@ -476,3 +476,20 @@ def test_the_request_maps_to_sampling_by_vllms_names() -> None:
     plain = sampling_from(CompletionRequest.model_validate({"prompt": "x"}))
     assert plain.engine_kwargs() == {"max_tokens": 16, "min_tokens": 0, "ignore_eos": False,
                                      "stop": []}
+
+
+async def test_a_request_id_already_in_flight_is_rejected_not_hung(served: Served) -> None:
+    """Request ids key the sim engine's queues: a second one in flight is a 400, and both
+    requests end (one completed, one rejected) instead of one hanging forever."""
+    body = {"prompt": PROMPT, "max_tokens": 200, "request_id": "same"}
+    first = asyncio.create_task(served.client.post("/v1/completions", json=body))
+    for _ in range(30_000):  # bounded: the first request reaches the engine in a few steps
+        if served.serving.engine.holds("same"):
+            break
+        await asyncio.sleep(0.001)
+    assert served.serving.engine.holds("same")
+    second = await served.client.post("/v1/completions", json=body)
+    assert "already in flight" in assert_error(second, 400, "invalid_request")
+    assert (await asyncio.wait_for(first, 30)).status_code == 200
+    assert served.outcomes() == OutcomeCounts(completed=1, rejected=1)
+    assert served.gate.inflight == 0

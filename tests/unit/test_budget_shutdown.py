@@ -531,6 +531,7 @@ async def test_no_engine_control_makes_abort_unsupported() -> None:
     assert stage_outcomes(report)[2:] == [
         ("abort", StageOutcome.UNSUPPORTED), ("engine_shutdown", StageOutcome.SKIPPED),
         ("close", StageOutcome.TIMED_OUT)]
+    assert report.lost_requests == 1  # still open at exit: the process exit cuts it
 
 
 async def test_drain_cap_bounds_the_drain_stage() -> None:
@@ -578,6 +579,37 @@ async def test_a_request_lost_during_the_drain_is_never_drained_and_exits_lost()
         assert report.stages[0].outcome is StageOutcome.LOST
         last = lifecycle.status().last_drain
         assert last is not None and not last.drained and last.requests.lost == 1
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_loss_in_a_prestop_drain_is_not_hidden_by_the_sigterm_drain() -> None:
+    """The kubelet's sequence: preStop's drain ends lost, then SIGTERM drains again. The
+    retried run counts from when the worker left serving, so the exit is never clean."""
+    engine = SimEngine(SimConfig(decode_step_s=0.005))
+    await engine.start()
+    lifecycle = make_lifecycle(engine)
+    try:
+        await lifecycle.start()
+        victim_out: list[int] = []
+        victim = asyncio.create_task(admitted_stream(
+            lifecycle, engine, SimRequest("victim", max_tokens=10_000), victim_out))
+        await until(lambda: bool(victim_out))
+        prestop = await lifecycle.drain(budget_s=5.0)
+        assert engine.abort("victim")
+        with pytest.raises(RequestAborted):
+            await asyncio.wait_for(victim, OUTER_S)
+        first = await asyncio.wait_for(prestop.wait(), OUTER_S)
+        assert first is not None and first.outcome is StageOutcome.LOST
+
+        shutdown = Shutdown(lifecycle, engine, ShutdownPolicy(total_s=2.0,
+                                                              cleanup_reserve_s=0.5))
+        shutdown.request("SIGTERM")
+        report = await asyncio.wait_for(shutdown.run(), OUTER_S)
+        assert not report.drained
+        assert report.outcome == "lost" and report.exit_code == EXIT_LOST
+        assert report.lost_requests == 1
+        assert lifecycle.current_run is not prestop  # it really was a second run
     finally:
         await engine.shutdown()
 

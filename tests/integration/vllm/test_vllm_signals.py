@@ -49,7 +49,8 @@ pytestmark = [pytest.mark.slow]
 
 BUDGET_S = 60.0
 STREAMS = 12
-MAX_TOKENS = 96
+MAX_TOKENS = 1000
+"""With 12 streams, long enough to run for a few seconds on the tiny model."""
 ENGINE_CORE = "VLLM::EngineCore"
 """EngineCore's process title as psutil reads it (vLLM sets it)."""
 KILLED_STREAMS = 16
@@ -133,6 +134,7 @@ def serve(model: Path, *extra: str) -> Iterator[ServedWorker]:
 
 @dataclass
 class Stream:
+    wanted: int = MAX_TOKENS
     status: int = 0
     tokens: int = 0
     finish_reason: str | None = None
@@ -142,12 +144,12 @@ class Stream:
     @property
     def complete(self) -> bool:
         return (self.status == 200 and self.done and not self.errors
-                and self.finish_reason == "length" and self.tokens == MAX_TOKENS)
+                and self.finish_reason == "length" and self.tokens == self.wanted)
 
 
 async def stream(port: int, started: asyncio.Event, max_tokens: int = MAX_TOKENS) -> Stream:
     """One streaming completion read to its end: every event, error events included."""
-    result = Stream()
+    result = Stream(wanted=max_tokens)
     body = {"prompt": "hello world the quick brown fox", "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     try:
@@ -174,6 +176,15 @@ async def stream(port: int, started: asyncio.Event, max_tokens: int = MAX_TOKENS
     except httpx.TransportError as exc:  # the worker went away mid-stream: lost
         result.errors.append(f"transport: {exc!r}")
     return result
+
+
+async def all_admitted(worker: ServedWorker, count: int) -> None:
+    """Wait until the worker has ``count`` requests admitted at once (its own view: a
+    client may still be reading a stream the server has already finished)."""
+    deadline = time.monotonic() + 120
+    while (await asyncio.to_thread(worker.status))["inflight_requests"] != count:
+        assert time.monotonic() < deadline, f"never {count} requests admitted at once"
+        await asyncio.sleep(0.005)
 
 
 def deliver(worker: ServedWorker, how: str) -> None:
@@ -203,7 +214,7 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
 
         started = [asyncio.Event() for _ in range(STREAMS)]
         streams = [asyncio.create_task(stream(worker.port, s)) for s in started]
-        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
+        await all_admitted(worker, len(streams))  # the signal comes while they all run
         signalled = time.monotonic()
         deliver(worker, how)
         code = await asyncio.to_thread(worker.process.wait, BUDGET_S + 30)
@@ -232,10 +243,7 @@ async def test_engine_killed_mid_drain_reports_every_lost_request(tiny_model: Pa
         started = [asyncio.Event() for _ in range(KILLED_STREAMS)]
         streams = [asyncio.create_task(stream(worker.port, s, max_tokens=LONG_TOKENS))
                    for s in started]
-        deadline = time.monotonic() + 120
-        while (await asyncio.to_thread(worker.status))["inflight_requests"] != len(streams):
-            assert time.monotonic() < deadline, "the streams never all ran at once"
-            await asyncio.sleep(0.01)
+        await all_admitted(worker, len(streams))
         (engine_core,) = [p for p in worker.processes() if p.name() == ENGINE_CORE]
         drain = await asyncio.to_thread(
             httpx.post, f"http://127.0.0.1:{worker.admin_port}/engine/drain",
