@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,13 +49,19 @@ pytestmark = [pytest.mark.slow]
 
 BUDGET_S = 60.0
 STREAMS = 12
-MAX_TOKENS = 1000
-"""With 12 streams, long enough to run for a few seconds on the tiny model."""
+MAX_TOKENS = 300
+STEP_S = 0.01
+PACED = json.dumps({
+    "kv_connector": "PacedConnector", "kv_role": "kv_producer",
+    "kv_connector_module_path": "tests.integration.vllm.paced_connector",
+    "kv_connector_extra_config": {"step_s": STEP_S}})
+"""Every engine step takes at least STEP_S, so a stream of MAX_TOKENS lasts about 3 s
+(tests/integration/vllm/paced_connector.py): the streams are all in the engine when
+the signal comes, by construction rather than by luck."""
 ENGINE_CORE = "VLLM::EngineCore"
 """EngineCore's process title as psutil reads it (vLLM sets it)."""
 KILLED_STREAMS = 16
-LONG_TOKENS = 1800
-"""Long enough (the tiny model's context is 2048) that the streams outlive the kill."""
+
 EXIT_NOISE = ("Traceback", "Exception ignored", "leaked shared_memory", "resource_tracker")
 """What must not appear in a clean worker's output."""
 
@@ -98,7 +104,8 @@ def serve(model: Path, *extra: str) -> Iterator[ServedWorker]:
     kwargs = engine_kwargs()
     args = [sys.executable, "-m", "quiesce", "serve", "--engine", "vllm", "--model", str(model),
             "--dtype", kwargs["dtype"], "--port", "0", "--admin-port", "0",
-            "--budget", str(BUDGET_S), "--router-grace", "0.2", *extra]
+            "--budget", str(BUDGET_S), "--router-grace", "0.2",
+            "--kv-transfer-config", PACED, *extra]
     if "gpu_memory_utilization" in kwargs:
         args += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -178,13 +185,27 @@ async def stream(port: int, started: asyncio.Event, max_tokens: int = MAX_TOKENS
     return result
 
 
-async def all_admitted(worker: ServedWorker, count: int) -> None:
-    """Wait until the worker has ``count`` requests admitted at once (its own view: a
-    client may still be reading a stream the server has already finished)."""
+def in_engine(status: dict[str, object]) -> int:
+    """Requests the engine itself is generating (its scheduler's running + waiting)."""
+    pending = status.get("pending_work")
+    if not isinstance(pending, dict):
+        return 0
+    return sum(n for n in (pending.get("running"), pending.get("waiting"))
+               if isinstance(n, int))
+
+
+def when_generating(worker: ServedWorker, count: int, act: Callable[[], None]) -> None:
+    """Call ``act`` as soon as the engine is generating at least ``count`` requests.
+
+    The engine's own view (the probe's scheduler counts in ``GET /engine/status``), read
+    in a thread of its own (``asyncio.to_thread``) so the test's busy event loop adds no
+    delay: a client reads its stream long after the engine finished it, so neither the
+    client's first token nor the worker's in-flight count says that generation runs."""
     deadline = time.monotonic() + 120
-    while (await asyncio.to_thread(worker.status))["inflight_requests"] != count:
-        assert time.monotonic() < deadline, f"never {count} requests admitted at once"
-        await asyncio.sleep(0.005)
+    while in_engine(worker.status()) < count:
+        assert time.monotonic() < deadline, f"never {count} requests generating at once"
+        time.sleep(0.002)
+    act()
 
 
 def deliver(worker: ServedWorker, how: str) -> None:
@@ -214,9 +235,10 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
 
         started = [asyncio.Event() for _ in range(STREAMS)]
         streams = [asyncio.create_task(stream(worker.port, s)) for s in started]
-        await all_admitted(worker, len(streams))  # the signal comes while they all run
+        # the signal comes while the engine generates every one of them
+        await asyncio.to_thread(when_generating, worker, STREAMS,
+                                lambda: deliver(worker, how))
         signalled = time.monotonic()
-        deliver(worker, how)
         code = await asyncio.to_thread(worker.process.wait, BUDGET_S + 30)
         elapsed = time.monotonic() - signalled
         results = await asyncio.gather(*streams)
@@ -226,8 +248,11 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
     assert code == 0, output[-4000:]
     assert report["outcome"] == "drained" and report["drained"] is True, report
     assert report["lost_requests"] == 0, report
-    assert report["requests"] == {"completed": STREAMS, "lost": 0, "client_gone": 0,
-                                  "rejected": 0}, report
+    requests = report["requests"]
+    assert isinstance(requests, dict), report
+    # all were generating at the signal: each ended during the drain, completed
+    assert requests == {"completed": STREAMS, "lost": 0, "client_gone": 0, "rejected": 0}, \
+        report
     assert elapsed < BUDGET_S, elapsed
     for result in results:
         assert result.complete, result
@@ -241,15 +266,19 @@ async def test_engine_killed_mid_drain_reports_every_lost_request(tiny_model: Pa
     """What the clients saw and what the worker reports must agree, stream for stream."""
     with serve(tiny_model, "--budget", "20", "--reserve", "4") as worker:
         started = [asyncio.Event() for _ in range(KILLED_STREAMS)]
-        streams = [asyncio.create_task(stream(worker.port, s, max_tokens=LONG_TOKENS))
+        streams = [asyncio.create_task(stream(worker.port, s, max_tokens=MAX_TOKENS))
                    for s in started]
-        await all_admitted(worker, len(streams))
         (engine_core,) = [p for p in worker.processes() if p.name() == ENGINE_CORE]
-        drain = await asyncio.to_thread(
-            httpx.post, f"http://127.0.0.1:{worker.admin_port}/engine/drain",
-            headers={"Authorization": f"Bearer {TOKEN}"}, json={}, timeout=10)
-        engine_core.kill()
-        assert drain.status_code == 202, drain.text
+        drains: list[httpx.Response] = []
+
+        def drain_then_kill() -> None:
+            drains.append(httpx.post(f"http://127.0.0.1:{worker.admin_port}/engine/drain",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}, json={},
+                                     timeout=10))
+            engine_core.kill()
+
+        await asyncio.to_thread(when_generating, worker, KILLED_STREAMS, drain_then_kill)
+        assert drains[0].status_code == 202, drains[0].text
         results = await asyncio.gather(*streams)
         cut = sum(1 for r in results if not r.complete)
         assert cut >= 1, results  # the engine died under running streams
