@@ -18,7 +18,8 @@ MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "e
 LIFECYCLE = {"lifecycle", "shutdown"}
 FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client",
          "serve_options", "openai_api", "openai_protocol", "status_format"}
-ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"}}
+ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"},
+                  "nvml": {"pynvml"}}
 """Third-party packages an adapter may import, lazily (inside a function) only."""
 THIRD_PARTY_ALLOWED_IN_FACES = {"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client",
                                 "httpx"}
