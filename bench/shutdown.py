@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -44,12 +43,18 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import httpx
-
 from bench.results_format import Result, run_and_report
 from bench.stats import median
+from bench.watch import (
+    PROC_POLL_S,
+    STATUS_POLL_S,
+    ProcessWatch,
+    StatusPoller,
+    proc_name,
+    remove_left,
+    shm_names,
+)
 from tests.integration.worker_process import (
-    TOKEN,
     StreamResult,
     signal_every_process,
     signal_group,
@@ -75,8 +80,6 @@ TIME_BUDGET_S = 330.0
 """No run starts once the runs so far plus one more (at their mean) would pass this."""
 STARTUP_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 60.0
-STATUS_POLL_S = 0.05
-PROC_POLL_S = 0.005
 TARGET_S = 1.0
 NOISE = re.compile(r"Traceback|Exception ignored|[Ww]arning|leaked|Error|error:")
 """What counts as noise when printed after the worker's exit line."""
@@ -86,99 +89,7 @@ def _log(message: str) -> None:
     print(f"  [bench.shutdown] {message}", file=sys.stderr, flush=True)
 
 
-# -- the worker's processes -------------------------------------------------------------------
-
-
-def _proc_state(pid: int) -> str | None:
-    """The process's state letter, or None once it is gone (no /proc entry)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _proc_name(pid: int) -> str:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        comm = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-    if "resource_tracker" in cmdline:
-        return "resource_tracker"
-    return comm
-
-
-class ProcessWatch:
-    """When each process of the worker is gone (exited: a zombie or no entry), wall clock."""
-
-    def __init__(self, pids: dict[int, str]) -> None:
-        self.names = pids
-        self.gone: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.is_set() and len(self.gone) < len(self.names):
-            for pid in self.names:
-                if pid not in self.gone and _proc_state(pid) in (None, "Z", "X"):
-                    self.gone[pid] = time.time()
-            time.sleep(PROC_POLL_S)
-
-    def wait(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        self._stop.set()
-        return len(self.gone) == len(self.names)
-
-
 # -- one run ----------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Status:
-    at: float
-    state: str
-    since: float
-    last_drain_elapsed_s: float | None
-
-
-class StatusPoller:
-    """GET /engine/status every ``STATUS_POLL_S`` until it shows ``drained`` or ``stopping``
-    (or the admin server stops answering)."""
-
-    def __init__(self, admin_url: str) -> None:
-        self.url = f"{admin_url}/engine/status"
-        self.statuses: list[Status] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _poll(self) -> None:
-        with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=2) as client:
-            while not self._stop.is_set():
-                try:
-                    data = client.get(self.url).json()
-                except (httpx.HTTPError, ValueError):
-                    return  # the admin server closed: the worker is exiting
-                last = data.get("last_drain") or {}
-                status = Status(time.time(), str(data.get("state")),
-                                float(data.get("since", 0.0)), last.get("elapsed_s"))
-                self.statuses.append(status)
-                if status.state in ("drained", "stopping"):
-                    return  # all it needs: no requests of its own during the exit
-                self._stop.wait(STATUS_POLL_S)
-
-    def first(self, state: str) -> Status | None:
-        return next((s for s in self.statuses if s.state == state), None)
 
 
 @dataclasses.dataclass
@@ -255,37 +166,6 @@ class Run:
             "exit_noise": self.noise[:20], "shutdown_warnings": self.shutdown_warnings[:20],
             "shm_left": self.shm_left, "error": self.error, "wall_s": round(self.wall_s, 1),
         }
-
-
-def _shm() -> set[str]:
-    with contextlib.suppress(OSError):
-        return set(os.listdir("/dev/shm"))
-    return set()
-
-
-def _remove_left(names: Sequence[str]) -> None:
-    """Remove what a run left in /dev/shm (recorded first), unless a live process maps it.
-
-    A worker killed with its process group (a run that failed) takes multiprocessing's
-    resource tracker with it, so nothing else would ever unlink its segments (two vLLM
-    message-queue rings, ~400 MB of memory, per worker).
-    """
-    if not names:
-        return
-    mapped: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            text = maps.read_text(errors="replace")
-            mapped.update(name for name in names if f"/dev/shm/{name}" in text)
-    for name in names:
-        path = Path("/dev/shm", name)
-        if name in mapped:
-            continue
-        with contextlib.suppress(OSError):
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
 
 
 def _deliver(delivery: str, pid: int) -> None:
@@ -388,7 +268,7 @@ async def one_run(model: Path, delivery: str, index: int) -> Run:
     run = Run(delivery, index)
     started = time.monotonic()
     env = _env()
-    shm_before = _shm()
+    shm_before = shm_names()
     worker = WorkerProcess(model, env)
     poller: StatusPoller | None = None
     try:
@@ -401,8 +281,8 @@ async def one_run(model: Path, delivery: str, index: int) -> Run:
     _read_output(run, worker.lines)
     if poller is not None:
         _drained_at(run, poller)
-    run.shm_left = sorted(_shm() - shm_before)
-    _remove_left(run.shm_left)
+    run.shm_left = sorted(shm_names() - shm_before)
+    remove_left(run.shm_left)
     return run
 
 
@@ -414,7 +294,7 @@ async def _measure(run: Run, worker: WorkerProcess, env: dict[str, str]) -> Stat
         run.error = f"not ready within {STARTUP_TIMEOUT_S:g}s (exit {worker.process.poll()})"
         return None
     main = worker.process.pid
-    names = {pid: ("main" if pid == main else _proc_name(pid)) for pid in worker_processes(main)}
+    names = {pid: ("main" if pid == main else proc_name(pid)) for pid in worker_processes(main)}
     watch = ProcessWatch(names)
     poller = StatusPoller(f"http://127.0.0.1:{ports[1]}")
     poller.start()

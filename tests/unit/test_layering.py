@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "engine",
               "registry", "signal_guard", "generation"}
-LIFECYCLE = {"lifecycle", "shutdown"}
+LIFECYCLE = {"lifecycle", "lifecycle_state", "shutdown"}
 FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client",
          "serve_options", "openai_api", "openai_protocol", "status_format"}
 ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"},
