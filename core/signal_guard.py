@@ -62,6 +62,8 @@ log = logging.getLogger("quiesce.signal_guard")
 OWNER_ENV = "QUIESCE_SIGNAL_OWNER"
 """``<owner pid>:<directory>``, set by the owner for the engine processes it starts."""
 PERMIT = "permit"
+DIRECTORY_PREFIX = "quiesce-signals-"
+"""The owner's directory is ``<prefix><owner pid>-<random>`` in /dev/shm (else the temp dir)."""
 GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PROC = Path("/proc")
 
@@ -224,8 +226,10 @@ class SignalOwnership:
         """Make the directory and export :data:`OWNER_ENV`; before the engine starts."""
         if self.directory is not None:
             return
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.directory = Path(tempfile.mkdtemp(prefix="quiesce-signals-", dir=base))
+        base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+        _remove_stale_directories(base)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"{DIRECTORY_PREFIX}{os.getpid()}-",
+                                               dir=base))
         os.environ[OWNER_ENV] = f"{os.getpid()}:{self.directory}"
 
     def permit_shutdown(self) -> None:
@@ -270,6 +274,23 @@ class SignalOwnership:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
             os.environ.pop(OWNER_ENV, None)
+
+
+def _remove_stale_directories(base: Path) -> None:
+    """Remove the directories of owners that are gone without :meth:`release` (a worker
+    killed with SIGKILL cannot clean up): ``<prefix><pid>-*`` whose pid no longer exists."""
+    with contextlib.suppress(OSError):
+        for path in base.glob(f"{DIRECTORY_PREFIX}*-*"):
+            pid = path.name[len(DIRECTORY_PREFIX):].partition("-")[0]
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                log.info("removing %s: its owner (pid %s) is gone", path, pid)
+                shutil.rmtree(path, ignore_errors=True)
+            except PermissionError:
+                continue
 
 
 def _classify(pid: int, guarded: dict[int, str]) -> ProcessGuard:

@@ -9,6 +9,7 @@ tests/integration/vllm/test_vllm_signals.py (and the GPU suite).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -182,3 +183,33 @@ def test_descendants_include_grandchildren() -> None:
         if grandchild:
             os.kill(grandchild, signal.SIGKILL)
         stop(engine)
+
+
+def test_a_claim_removes_directories_of_owners_killed_without_cleanup() -> None:
+    """SIGKILL leaves the owner no chance to release its directory; the next worker to
+    claim on the machine removes it, and never a live owner's."""
+    owner_script = ("import time; from quiesce.signal_guard import SignalOwnership; "
+                    "o = SignalOwnership(); o.claim(); print(o.directory, flush=True); "
+                    "time.sleep(60)")
+    killed = subprocess.Popen([sys.executable, "-c", owner_script], stdout=subprocess.PIPE,
+                              text=True)
+    alive = subprocess.Popen([sys.executable, "-c", owner_script], stdout=subprocess.PIPE,
+                             text=True)
+    ownership = SignalOwnership()
+    alive_dir = None
+    try:
+        assert killed.stdout is not None and alive.stdout is not None
+        killed_dir = Path(killed.stdout.readline().strip())
+        alive_dir = Path(alive.stdout.readline().strip())
+        killed.kill()
+        killed.wait(timeout=10)
+        assert killed_dir.is_dir() and str(killed.pid) in killed_dir.name
+        ownership.claim()
+        assert not killed_dir.exists()
+        assert alive_dir.is_dir()
+    finally:
+        ownership.release()
+        for process in (killed, alive):
+            stop(process)
+        if alive_dir is not None:
+            shutil.rmtree(alive_dir, ignore_errors=True)
