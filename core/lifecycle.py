@@ -52,6 +52,7 @@ from quiesce.drain import (
     wait_admitted_zero,
     wait_quiescent,
 )
+from quiesce.drain_cost import drain_cost
 from quiesce.errors import InvalidTransition, ResumeFailed
 from quiesce.lifecycle_state import (
     DrainRun,
@@ -166,6 +167,7 @@ class Lifecycle:
             drain=drain,
             last_drain=self._last_report,
             requests=requests,
+            drain_cost=drain_cost(pending_work, self.gate.inflight),
         )
 
     def outcomes_since(self, run: DrainRun) -> OutcomeCounts:

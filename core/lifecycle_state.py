@@ -14,6 +14,7 @@ from enum import Enum
 
 from quiesce.admission import OutcomeCounts
 from quiesce.drain import DrainReport, StageReport
+from quiesce.drain_cost import DrainCost
 from quiesce.probe import PendingWork
 
 TREND_POINTS = 32
@@ -95,6 +96,8 @@ class Status:
     """``admitted_total``, ``refused_total`` (never admitted), ``ended_total`` (outcome
     counts since start) and ``ended_since_drain`` (since the current or last drain run
     began; ``None`` before the first)."""
+    drain_cost: DrainCost | None = None
+    """What removing this worker now would cost (:mod:`quiesce.drain_cost`)."""
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -110,4 +113,5 @@ class Status:
             "drain": self.drain,
             "last_drain": self.last_drain.to_dict() if self.last_drain else None,
             "requests": self.requests,
+            "drain_cost": self.drain_cost.to_dict() if self.drain_cost else None,
         }

@@ -38,6 +38,10 @@ quiesce_pending_work_known        gauge             scrape 1 if that snapshot's 
                                                            unknown, else 0
 quiesce_pending_work_age_seconds  gauge             scrape now − its observed_at (monotonic clock);
                                                            +Inf before the first reading
+quiesce_drain_cost                gauge             scrape the drain cost of that snapshot
+                                                           (:mod:`quiesce.drain_cost`): requests
+                                                           outstanding; the admitted requests
+                                                           alone while the snapshot is unknown
 quiesce_drain_duration_seconds    histogram outcome event  a drain run's elapsed_s, observed on
                                                            drain_finished
 quiesce_drain_outcomes_total      counter   outcome event  drain runs ended (drain_finished), by
@@ -84,6 +88,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from quiesce.budget import Clock
 from quiesce.drain import StageOutcome
+from quiesce.drain_cost import drain_cost
 from quiesce.lifecycle import EventKind, Lifecycle, LifecycleEvent, State
 from quiesce.probe import COUNTERS, PendingWork, Verdict
 
@@ -140,6 +145,9 @@ class _ScrapeCollector:
             "quiesce_pending_work_known": "1 if the latest probe reading's verdict is known",
             "quiesce_pending_work_age_seconds": "Seconds since the latest probe reading "
                                                 "(+Inf before the first)",
+            "quiesce_drain_cost": "What removing this worker now would cost, in requests "
+                                  "outstanding (the admitted requests only, a lower bound, "
+                                  "while quiesce_pending_work_known is 0)",
         }
         if not with_samples:
             yield state
@@ -169,6 +177,7 @@ class _ScrapeCollector:
             "quiesce_discovery_registered": float(status.discovery_registered),
             "quiesce_pending_work_known": known,
             "quiesce_pending_work_age_seconds": age,
+            "quiesce_drain_cost": float(drain_cost(snapshot, status.inflight_requests).value),
         }
         yield from (_gauge(name, doc, values[name]) for name, doc in docs.items())
         admitted.add_metric([], float(gate.admitted_total))

@@ -38,6 +38,7 @@ class WorkerOptions:
     admin_token_file: str | None = None
     decode_step_s: float = 0.02
     name: str = "worker"
+    publish_deletion_cost: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -108,6 +109,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep admitting this long after unregistering, s (%(default)s)")
     parser.add_argument("--decode-step", type=float, default=defaults.decode_step_s,
                         help="sim engine: seconds per decode step (%(default)s)")
+    parser.add_argument("--publish-deletion-cost", action="store_true",
+                        help="keep this pod's controller.kubernetes.io/pod-deletion-cost "
+                             "annotation at the worker's drain cost, so a scale-down removes "
+                             "the cheapest worker to drain (in a Kubernetes pod; needs the "
+                             "RBAC of deploy/kubernetes/worker.yaml; API errors are logged "
+                             "and shown in status, never fatal)")
 
 
 def parse_json_object(field: str, text: str | None) -> dict[str, Any] | None:
@@ -135,4 +142,5 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         cleanup_reserve_s=(args.reserve if args.reserve is not None
                            else min(5.0, max(args.budget, 0) / 5)),
         router_grace_s=args.router_grace,
-        admin_token_file=args.admin_token_file, decode_step_s=args.decode_step)
+        admin_token_file=args.admin_token_file, decode_step_s=args.decode_step,
+        publish_deletion_cost=args.publish_deletion_cost)

@@ -102,6 +102,9 @@ def format_status(status: dict[str, Any]) -> str:
     guard = status.get("signal_guard")
     if isinstance(guard, dict):
         rows.append(("signal guard", str(guard.get("summary", "?"))))
+    cost = status.get("drain_cost")
+    if isinstance(cost, dict):
+        rows.append(("drain cost", _cost_line(cost, status.get("deletion_cost"))))
     drain = status.get("drain")
     if isinstance(drain, dict):
         rows.append(("drain", _drain_line(drain)))
@@ -112,6 +115,18 @@ def format_status(status: dict[str, Any]) -> str:
                                    f"(generation {last.get('generation')})"))
     width = max(len(label) for label, _ in rows) + 2
     return "\n".join(f"{label + ':':<{width}}{value}" for label, value in rows)
+
+
+def _cost_line(cost: dict[str, Any], published: object) -> str:
+    """``3 requests (pending_work)``, the fallback's reason, and the pod annotation's state."""
+    line = f"{cost.get('value', '?')} {cost.get('unit', '')} ({cost.get('source', '?')})"
+    if cost.get("reason"):
+        line += f": a lower bound, {cost['reason']}"
+    if isinstance(published, dict):
+        line += f"; pod-deletion-cost {published.get('published')}"
+        if published.get("last_error"):
+            line += f" (not updating: {published['last_error']})"
+    return line
 
 
 def ended_line(counts: object) -> str:

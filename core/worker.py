@@ -45,6 +45,7 @@ from quiesce.errors import ConfigError, EngineNotInstalled
 from quiesce.lifecycle import Lifecycle
 from quiesce.metrics import WorkerMetrics
 from quiesce.openai_api import ServingEngine, create_completions_app
+from quiesce.pod_deletion_cost import DeletionCostPublisher, PodIdentity
 from quiesce.serve_options import WorkerOptions, options_from_args
 from quiesce.server import EmbeddedServer, bind_socket, check_bind, create_admin_app, load_token
 from quiesce.shutdown import SIGNALS, Shutdown, ShutdownPolicy, exit_immediately
@@ -114,6 +115,8 @@ async def run_worker(options: WorkerOptions) -> int:
 
 async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwnership,
                  early: list[signal.Signals]) -> int:
+    # Configuration errors surface before the (slow) engine start.
+    pod = PodIdentity.from_environment() if options.publish_deletion_cost else None
     serving = build_serving(options)
     await serving.start()
     guards = signals.report()
@@ -133,12 +136,17 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
 
     api = EmbeddedServer(create_completions_app(serving, gate),
                          bind_socket(options.host, options.port))
-    def guard_status() -> dict[str, object]:  # the CLI polls status every 50 ms
-        return {"signal_guard": signals.report(max_age_s=1.0).to_dict()}
+    publisher = DeletionCostPublisher(lifecycle, pod) if pod is not None else None
+
+    def worker_status() -> dict[str, object]:  # the CLI polls status every 50 ms
+        status: dict[str, object] = {"signal_guard": signals.report(max_age_s=1.0).to_dict()}
+        if publisher is not None:
+            status["deletion_cost"] = publisher.status()
+        return status
 
     admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
                                             metrics=WorkerMetrics(lifecycle),
-                                            extra_status=guard_status),
+                                            extra_status=worker_status),
                            bind_socket(options.admin_host, options.admin_port))
     await api.start()
     await admin.start()
@@ -146,7 +154,12 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     _emit({"event": "ready", "port": api.port, "admin_port": admin.port, "pid": os.getpid(),
            "signal_guard": guards.to_dict()})
 
+    publishing = (asyncio.create_task(publisher.run(asyncio.Event()), name="deletion-cost")
+                  if publisher is not None else None)
+
     await shutdown.wait_requested()
+    if publishing is not None:  # the pod is on its way out: its cost no longer matters
+        publishing.cancel()  # at once, even mid-PATCH: the shutdown's budget is running
     async def close() -> None:  # together: each uvicorn stop takes 0.1-0.3 s
         await asyncio.gather(api.stop(), admin.stop())
 

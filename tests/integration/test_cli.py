@@ -242,9 +242,10 @@ def test_status_human_summary(serving: Worker) -> None:
     assert result.returncode == 0, explain(result)
     out = result.stdout
     for label in ("state:", "in-flight:", "pending work:", "registration:", "last error:",
-                  "requests:", "signal guard:"):
+                  "requests:", "signal guard:", "drain cost:"):
         assert label in out, out
     assert "0 lost" in out and "refused at the gate" in out
+    assert "0 requests (pending_work)" in out
     assert "serving" in out
     assert "quiescent" in out
     assert "registered with discovery" in out

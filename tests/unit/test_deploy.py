@@ -46,3 +46,21 @@ def test_admin_api_is_protected_and_probes_point_at_it() -> None:
     assert "secretKeyRef" in env["QUIESCE_ADMIN_TOKEN"]["valueFrom"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+
+
+def test_the_pod_may_patch_its_own_deletion_cost() -> None:
+    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    pod = deployment()["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert build_parser().parse_args(container["command"][1:]).publish_deletion_cost
+    account = pod["serviceAccountName"]
+    assert by_kind["ServiceAccount"]["metadata"]["name"] == account
+    binding = by_kind["RoleBinding"]
+    assert {"kind": "ServiceAccount", "name": account} in binding["subjects"]
+    assert binding["roleRef"]["name"] == by_kind["Role"]["metadata"]["name"]
+    (rule,) = by_kind["Role"]["rules"]
+    assert rule["resources"] == ["pods"] and "patch" in rule["verbs"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"

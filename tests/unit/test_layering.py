@@ -14,9 +14,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "engine",
-              "registry", "signal_guard", "generation"}
+              "registry", "signal_guard", "generation", "drain_cost"}
 LIFECYCLE = {"lifecycle", "lifecycle_state", "shutdown"}
 FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client",
+         "pod_deletion_cost",
          "serve_options", "openai_api", "openai_protocol", "status_format"}
 ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"},
                   "nvml": {"pynvml"}}

@@ -48,6 +48,7 @@ FAMILIES = {
     "quiesce_pending_work", "quiesce_pending_work_known", "quiesce_pending_work_age_seconds",
     "quiesce_drain_duration_seconds", "quiesce_drain_outcomes", "quiesce_probe_reads",
     "quiesce_probe_errors", "quiesce_transitions", "quiesce_requests_ended",
+    "quiesce_drain_cost",
 }
 """Every family the module docstring lists (the parser drops counters' ``_total``)."""
 
@@ -373,9 +374,14 @@ async def test_unknown_counters_are_nan_and_not_known() -> None:
     snapshot = PendingWork(Role.AGGREGATED, "fake", waiting=0, running=UNKNOWN,
                            queues={"grammar": UNKNOWN, "offload": 0})
     lifecycle, metrics = build(FakeProbe(snapshot))
+    admitted = [lifecycle.gate.admit(f"r{i}") for i in range(2)]
     await lifecycle.read_status()
     samples = scrape(metrics)
     work = pending(samples)
+    # unknown engine work: the cost falls back to the admitted requests (a lower bound)
+    assert value(samples, "quiesce_drain_cost") == 2
+    for admission in admitted:
+        admission.finish(Outcome.COMPLETED)
     assert set(work) == {"waiting", "running", "kv_sends_held", "kv_recvs_awaited", "grammar",
                          "offload"}
     assert work["waiting"] == 0 and work["offload"] == 0
@@ -392,6 +398,7 @@ async def test_engine_queues_are_kinds_and_busy_is_known() -> None:
     assert pending(samples) == {"waiting": 1, "running": 2, "kv_sends_held": 0,
                                 "kv_recvs_awaited": 0, "grammar": 4}
     assert value(samples, "quiesce_pending_work_known") == 1
+    assert value(samples, "quiesce_drain_cost") == 7
 
 
 async def test_before_any_reading_pending_work_is_unknown_and_infinitely_old() -> None:

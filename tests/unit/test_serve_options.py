@@ -119,3 +119,15 @@ def test_available_memory_is_read_or_unknown() -> None:
 
     available = available_memory_bytes()
     assert available is None or available > 0
+
+
+def test_publishing_the_deletion_cost_outside_a_pod_exits_2_naming_why(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert parse("--publish-deletion-cost").publish_deletion_cost
+    assert not parse().publish_deletion_cost
+    code = main(["serve", "--engine", "sim", "--publish-deletion-cost", "--port", "0",
+                 "--admin-port", "0"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "publish_deletion_cost" in err and "KUBERNETES_SERVICE_HOST" in err
