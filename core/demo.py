@@ -11,7 +11,16 @@ decode worker pulls it). In the middle of phase 1 one worker is scaled down:
   pulled yet is a corrupted decode);
 - ``quiesce``: the budgeted shutdown of :mod:`quiesce.shutdown` — unregister,
   router grace, close admission (late arrivals are retried elsewhere), wait for
-  admitted requests and the engine probe, exit.
+  admitted requests and the engine probe, exit;
+- ``quiesce-lowest-cost``: the same shutdown, but the victim is the worker with the
+  lowest :mod:`drain cost <quiesce.drain_cost>` at that moment (what
+  ``--publish-deletion-cost`` makes a ReplicaSet do), where the other two take an
+  arbitrary one (worker-0: among equally ready pods, a ReplicaSet's choice carries no
+  knowledge of their work). Ties go to the arbitrary choice, so the comparison only
+  moves when the cost says something.
+
+``moved`` counts the requests the victim held when the scale-down began (admitted and
+in flight, or KV held for a decoder): work that must finish there, or be lost.
 
 Time is simulated and compressed by ``time_scale``; every figure is reported in
 simulated seconds. The lower bound is when the last request the victim admitted,
@@ -34,13 +43,14 @@ from quiesce.adapters.sim import KVFate, RequestAborted, SimConfig, SimEngine, S
 from quiesce.admission import AdmissionGate, Outcome
 from quiesce.budget import check_seconds
 from quiesce.discovery import InMemoryDirectory, InMemoryDiscovery
+from quiesce.drain_cost import drain_cost
 from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError, WorkerDraining
 from quiesce.lifecycle import Lifecycle
 from quiesce.probe import Role
 from quiesce.shutdown import Shutdown, ShutdownPolicy
 
-POLICIES = ("fixed-grace", "quiesce")
+POLICIES = ("fixed-grace", "quiesce", "quiesce-lowest-cost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,12 +205,17 @@ class PolicyResult:
     drain_s: float = 0.0
     lower_bound_s: float = 0.0
     exit_code: int | None = None
+    victim: str = ""
+    moved: int = 0
+    costs: tuple[int, ...] = ()
+    """Every worker's drain cost when the scale-down began, by worker index."""
 
     def to_dict(self) -> dict[str, object]:
         return {"sent": self.sent, "completed": self.completed, "failed": self.failed,
                 "retried": self.retried, "kv_freed_early": self.kv_freed_early,
                 "drain_s": round(self.drain_s, 3), "lower_bound_s": round(self.lower_bound_s, 3),
-                "exit_code": self.exit_code}
+                "exit_code": self.exit_code, "victim": self.victim, "moved": self.moved,
+                "costs": list(self.costs)}
 
 
 class _Progress:
@@ -282,11 +297,21 @@ class _Replay:
         else:
             self.result.failed += 1
 
+    def _costs(self) -> list[int]:
+        """Each worker's drain cost now, from its probe and its gate."""
+        return [drain_cost(SimProbe(w.engine).snapshot(), w.gate.inflight).value
+                for w in self.workers]
+
     async def _scale_down(self) -> None:
         await asyncio.sleep(self.config.scale_down_at_s * self.scale)
+        costs = self._costs()
+        if self.policy == "quiesce-lowest-cost" and costs[0] > min(costs):
+            self.victim = self.workers[costs.index(min(costs))]
         victim = self.victim
+        self.result.victim, self.result.costs = victim.name, tuple(costs)
+        self.result.moved = victim.gate.inflight + victim.engine.counts()[2]
         self.say(f"scaling down {victim.name} ({victim.gate.inflight} admitted, "
-                 f"{victim.engine.counts()[2]} KV held)")
+                 f"{victim.engine.counts()[2]} KV held; drain costs {costs})")
         started = time.monotonic()
         if self.policy == "fixed-grace":
             await self._fixed_grace(started)
@@ -345,18 +370,26 @@ async def run_policy(policy: str, config: DemoConfig,
     return await _Replay(policy, config, progress).run()
 
 
+def policies_for(config: DemoConfig) -> tuple[str, ...]:
+    """Every policy, except the victim choice when KV is never pulled: that scenario is
+    about worker-0's decode peer, and any other victim would leave worker-0 holding the
+    KV for ever (nothing scales it down)."""
+    return POLICIES if config.never_pulled == 0 else POLICIES[:2]
+
+
 async def run_demo(config: DemoConfig, progress: TextIO | None = None) -> dict[str, PolicyResult]:
     results: dict[str, PolicyResult] = {}
-    for policy in POLICIES:
+    for policy in policies_for(config):
         results[policy] = await run_policy(policy, config, progress)
     return results
 
 
 def format_table(results: dict[str, PolicyResult]) -> str:
-    header = ("policy", "sent", "completed", "failed", "retried", "drain_s", "lower_bound_s")
+    header = ("policy", "sent", "completed", "failed", "retried", "victim", "moved", "drain_s",
+              "lower_bound_s")
     rows = [header] + [
-        (name, str(r.sent), str(r.completed), str(r.failed), str(r.retried),
-         f"{r.drain_s:.3f}", f"{r.lower_bound_s:.3f}")
+        (name, str(r.sent), str(r.completed), str(r.failed), str(r.retried), r.victim,
+         str(r.moved), f"{r.drain_s:.3f}", f"{r.lower_bound_s:.3f}")
         for name, r in results.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
@@ -381,7 +414,12 @@ def main(config: DemoConfig, as_json: bool, quiet: bool) -> int:
                           "config": dataclasses.asdict(config)}, indent=2))
     else:
         print(format_table(results))
-        q = results["quiesce"]
+        q, cheap = results["quiesce"], results.get("quiesce-lowest-cost")
         print(f"\nquiesce: {q.failed} failed; drain took {q.drain_s - q.lower_bound_s:+.3f}s "
               "beyond the lower bound (simulated seconds).")
-    return 0 if results["quiesce"].failed == 0 else 1
+        if cheap is not None:
+            print(f"lowest drain cost as the victim: {cheap.victim} drained in "
+                  f"{cheap.drain_s:.3f}s with {cheap.moved} request(s) on it, against "
+                  f"{q.drain_s:.3f}s and {q.moved} for {q.victim}.")
+    lost = sum(r.failed for name, r in results.items() if name != "fixed-grace")
+    return 0 if lost == 0 else 1

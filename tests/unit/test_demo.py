@@ -39,7 +39,14 @@ async def test_quiesce_loses_nothing_and_fixed_grace_loses_requests() -> None:
     # the drain can never end before the work it waits for
     assert quiesce.drain_s >= quiesce.lower_bound_s
     table = format_table(results)
-    assert "fixed-grace" in table and "lower_bound_s" in table
+    assert "fixed-grace" in table and "lower_bound_s" in table and "moved" in table
+    cheap = results["quiesce-lowest-cost"]
+    assert cheap.failed == 0 and cheap.exit_code == 0
+    index = int(cheap.victim.removeprefix("worker-"))
+    assert len(cheap.costs) == config.workers
+    assert cheap.costs[index] == min(cheap.costs)
+    assert index == 0 or cheap.costs[0] > min(cheap.costs)  # ties stay with the arbitrary one
+    assert quiesce.victim == fixed.victim == "worker-0"
 
 
 async def test_never_pulled_kv_forces_the_quiesce_shutdown_at_its_budget() -> None:
@@ -47,6 +54,7 @@ async def test_never_pulled_kv_forces_the_quiesce_shutdown_at_its_budget() -> No
                         phase1_s=20.0, phase2_s=2.0, scale_down_at_s=10.0)
     results = await run_demo(config)
     quiesce = results["quiesce"]
+    assert "quiesce-lowest-cost" not in results  # any other victim leaves worker-0's KV held
     assert quiesce.exit_code == 3
     assert quiesce.failed > 0  # the held KV was freed at the budget: reported, not hidden
 
@@ -54,7 +62,7 @@ async def test_never_pulled_kv_forces_the_quiesce_shutdown_at_its_budget() -> No
 def test_cli_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     code = cli_main(["demo", "--json", "--quiet", "--time-scale", "0.03", "--seed", "2"])
     data = json.loads(capsys.readouterr().out)
-    assert set(data["policies"]) == {"fixed-grace", "quiesce"}
+    assert set(data["policies"]) == {"fixed-grace", "quiesce", "quiesce-lowest-cost"}
     for policy in data["policies"].values():
         assert {"sent", "completed", "failed", "drain_s", "lower_bound_s"} <= set(policy)
     assert code == (0 if data["policies"]["quiesce"]["failed"] == 0 else 1)
