@@ -36,6 +36,7 @@ from typing import Any
 
 from quiesce.budget import check_seconds
 from quiesce.errors import ConfigError, RequestAborted, RequestRejected
+from quiesce.eta import DrainEta
 from quiesce.generation import Delta, Prompt, Sampling
 from quiesce.probe import PendingWork, Probe, Role
 
@@ -161,17 +162,27 @@ class SimEngine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running or self._held or self._awaiting_kv)
 
-    def estimated_drain_s(self) -> float:
-        """Simulated seconds until all current work would be done (no new arrivals)."""
+    def estimated_drain_s(self, pull_s: float | None = None) -> float:
+        """Simulated seconds until all current work would be done (no new arrivals), a KV
+        pull taking ``pull_s`` (default: the slowest the time model allows)."""
         cfg = self.config
         steps = [r.request.max_tokens - r.generated for r in self._running.values()]
         steps += [r.request.max_tokens for r in self._waiting]
         decode = max(steps, default=0) * cfg.decode_step_s
         if len(steps) > cfg.max_running:  # later batches wait for earlier ones
             decode *= len(steps) / cfg.max_running
-        pull = cfg.kv_pull_latency_s[1] if (self._held or any(
+        pull = (cfg.kv_pull_latency_s[1] if pull_s is None else pull_s) if (self._held or any(
             r.request.remote_decode for r in (*self._running.values(), *self._waiting))) else 0.0
         return decode + pull + (cfg.kv_recv_latency_s if self._awaiting_kv else 0.0)
+
+    def drain_eta(self) -> DrainEta:
+        """The time to quiescence in wall seconds: with the mean KV pull latency, and
+        bounded by the slowest pull plus one decode step."""
+        cfg = self.config
+        mean_pull = sum(cfg.kv_pull_latency_s) / 2
+        return DrainEta(self.estimated_drain_s(mean_pull) * cfg.time_scale,
+                        (self.estimated_drain_s() + cfg.decode_step_s) * cfg.time_scale,
+                        "remaining tokens x decode step (simulated)")
 
     # -- requests -----------------------------------------------------------------
 
@@ -370,7 +381,8 @@ class SimProbe(Probe):
         return PendingWork(role=self.role, source=self.source, waiting=waiting, running=running,
                            kv_sends_held=held, kv_recvs_awaited=awaiting,
                            engine_has_work=engine.has_work,
-                           details={"estimated_drain_s": round(engine.estimated_drain_s(), 6)})
+                           details={"estimated_drain_s": round(engine.estimated_drain_s(), 6)},
+                           eta=engine.drain_eta())
 
     async def pending_work(self) -> PendingWork:
         return self.snapshot()

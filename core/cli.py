@@ -6,6 +6,12 @@ codes: 0 success, 1 the demo's quiesce policy lost a request, 2 bad arguments.
 ``quiesce serve`` runs the reference worker (:mod:`quiesce.worker`; its exit codes
 are the shutdown report's).
 
+``quiesce doctor trtllm [--source DIR] [--json]`` checks, without a GPU and without
+importing it, that an installed TensorRT-LLM (or a source tree) still defines the names
+the adapter reads (:mod:`quiesce.adapters.trtllm.doctor`). Exit codes: 0 every required
+name is there (in a known layout), 1 drift (the probe would report UNKNOWN for good),
+2 bad arguments, 6 no TensorRT-LLM sources found, or they cannot be read.
+
 The operator commands talk to a running worker's admin API (:mod:`quiesce.server`)
 through :class:`quiesce.admin_client.AdminClient`:
 
@@ -110,8 +116,44 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
 
+    doctor = commands.add_parser(
+        "doctor", help="check an engine's sources for drift (no GPU, no import)",
+        description="Check that an engine's installed sources still define what quiesce's "
+                    "adapter reads, by parsing them (the engine is never imported).")
+    engines = doctor.add_subparsers(dest="engine", required=True, metavar="ENGINE")
+    trtllm = engines.add_parser(
+        "trtllm", help="TensorRT-LLM: PyExecutor, transfer tracker, queues, stats, Ray",
+        description="Parse TensorRT-LLM's sources with ast and report each name the adapter "
+                    "relies on as found, alternative (an older known layout) or missing. "
+                    "Exit 0 when every required name is there, 1 on drift (the probe would "
+                    "report UNKNOWN for good), 6 when no sources are found or readable.")
+    trtllm.add_argument("--source", default=None, metavar="DIR",
+                        help="a TensorRT-LLM checkout, an unpacked wheel, or the tensorrt_llm "
+                             "package directory (default: the installed package)")
+    trtllm.add_argument("--json", action="store_true", help="print one JSON object")
+    trtllm.set_defaults(handler=_doctor_trtllm)
+
     _add_operator_commands(commands)
     return parser
+
+
+EXIT_NO_SOURCE = 6
+"""``quiesce doctor``: nothing to check (no sources found, or unreadable)."""
+
+
+def _doctor_trtllm(args: argparse.Namespace) -> int:
+    from pathlib import Path  # noqa: PLC0415 (kept off the CLI's start-up path)
+
+    from quiesce.adapters.trtllm import doctor  # noqa: PLC0415
+
+    try:
+        report = (doctor.check(doctor.package_dir(Path(args.source)))
+                  if args.source is not None else doctor.check_installed())
+    except doctor.DoctorError as exc:
+        print(f"quiesce doctor trtllm: {exc}", file=sys.stderr)
+        return EXIT_NO_SOURCE
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _serve(args: argparse.Namespace) -> int:

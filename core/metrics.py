@@ -38,6 +38,10 @@ quiesce_pending_work_known        gauge             scrape 1 if that snapshot's 
                                                            unknown, else 0
 quiesce_pending_work_age_seconds  gauge             scrape now − its observed_at (monotonic clock);
                                                            +Inf before the first reading
+quiesce_drain_eta_seconds         gauge     bound   scrape that snapshot's drain ETA
+                                                           (:mod:`quiesce.eta`): ``expected`` and
+                                                           ``upper``; NaN when unknown, unbounded
+                                                           or not estimated by the probe
 quiesce_drain_cost                gauge             scrape the drain cost of that snapshot
                                                            (:mod:`quiesce.drain_cost`): requests
                                                            outstanding; the admitted requests
@@ -137,6 +141,10 @@ class _ScrapeCollector:
         pending = GaugeMetricFamily("quiesce_pending_work", "Work the engine still holds, by "
                                     "kind, from the latest probe reading (NaN: unknown)",
                                     labels=["kind"])
+        eta = GaugeMetricFamily("quiesce_drain_eta_seconds", "Seconds until the pending "
+                                "work is done if nothing new arrives: the estimate and its "
+                                "upper bound (NaN: unknown, unbounded or not estimated)",
+                                labels=["bound"])
         docs = {
             "quiesce_generation": "Lifecycle generation, bumped by every transition",
             "quiesce_inflight_requests": "Admitted requests whose response has not finished",
@@ -152,7 +160,7 @@ class _ScrapeCollector:
         if not with_samples:
             yield state
             yield from (GaugeMetricFamily(name, doc) for name, doc in docs.items())
-            yield from (admitted, rejected, ended, pending)
+            yield from (admitted, rejected, ended, pending, eta)
             return
 
         status = owner.lifecycle.status()
@@ -184,7 +192,12 @@ class _ScrapeCollector:
         rejected.add_metric([], float(gate.refused_total))
         for outcome, count in gate.outcomes().to_dict().items():
             ended.add_metric([outcome], float(count))
-        yield from (admitted, rejected, ended, pending)
+        estimate = snapshot.eta if snapshot is not None else None
+        bounds = ((None, None) if estimate is None
+                  else (estimate.expected_s, estimate.upper_s))
+        for bound, seconds in zip(("expected", "upper"), bounds, strict=True):
+            eta.add_metric([bound], math.nan if seconds is None else float(seconds))
+        yield from (admitted, rejected, ended, pending, eta)
 
 
 class WorkerMetrics:

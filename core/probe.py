@@ -42,6 +42,7 @@ from types import MappingProxyType
 from typing import Any, Final, Protocol, TypeVar, Union, runtime_checkable
 
 from quiesce.errors import ConfigError
+from quiesce.eta import DrainEta
 
 
 class Role(str, Enum):
@@ -124,7 +125,9 @@ class PendingWork:
     main counters. ``engine_has_work`` is the engine's own combined verdict where it
     has one (``None`` where it has none). ``errors`` says why something could not be
     read; any error makes the snapshot UNKNOWN unless it is already BUSY.
-    ``details`` is informational only and never changes the verdict.
+    ``details`` is informational only and never changes the verdict, and so is
+    ``eta`` (:mod:`quiesce.eta`: how long the work will take, where the probe can
+    estimate it; ``None`` where it cannot).
     """
 
     role: Role
@@ -139,6 +142,7 @@ class PendingWork:
     details: Mapping[str, Detail] = dataclasses.field(default_factory=dict)
     observed_at: float = dataclasses.field(default_factory=time.monotonic)
     parts: tuple[PendingWork, ...] = ()
+    eta: DrainEta | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, Role):
@@ -208,7 +212,8 @@ class PendingWork:
         return sum(v for v in values if isinstance(v, int))
 
     def same_work(self, other: PendingWork | None) -> bool:
-        """Whether ``other`` reports the same work (ignoring when it was observed)."""
+        """Whether ``other`` reports the same work (ignoring when it was observed and its
+        ETA, which moves at every engine step: a drain waits for the work to change)."""
         return (other is not None and self.counts() == other.counts()
                 and self.engine_has_work == other.engine_has_work and self.errors == other.errors)
 
@@ -239,6 +244,7 @@ class PendingWork:
             "total": self.total,
             "reasons": list(self.reasons),
             "details": dict(self.details),
+            "eta": self.eta.to_dict() if self.eta is not None else None,
             "observed_at": self.observed_at,
         }
 
@@ -274,6 +280,7 @@ class PendingWork:
             details={f"{p.source}.{k}": v for p in parts for k, v in p.details.items()},
             observed_at=min(p.observed_at for p in parts),
             parts=parts,
+            eta=DrainEta.combine(p.eta for p in parts),
         )
 
 

@@ -14,7 +14,9 @@ from quiesce.errors import ConfigError
 from quiesce.probe import Role
 from quiesce.shutdown import ShutdownPolicy
 
-ENGINES = ("sim", "vllm")
+ENGINES = ("sim", "vllm", "trtllm")
+MODEL_ENGINES = ("vllm", "trtllm")
+"""Engines that load a model (``--model`` required)."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
@@ -27,6 +29,7 @@ class WorkerOptions:
     gpu_memory_utilization: float | None = None
     served_model_name: str | None = None
     kv_transfer_config: Mapping[str, Any] | None = None
+    cache_transceiver_config: Mapping[str, Any] | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     admin_host: str = "127.0.0.1"
@@ -43,8 +46,8 @@ class WorkerOptions:
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError("engine", f"unknown engine {self.engine!r}; one of {ENGINES}")
-        if self.engine == "vllm" and not self.model:
-            raise ConfigError("model", "--engine vllm needs --model PATH")
+        if self.engine in MODEL_ENGINES and not self.model:
+            raise ConfigError("model", f"--engine {self.engine} needs --model PATH")
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"unknown dtype {self.dtype!r}; one of {DTYPES}")
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
@@ -56,7 +59,13 @@ class WorkerOptions:
             if not isinstance(self.kv_transfer_config, Mapping):
                 raise ConfigError("kv_transfer_config", "must be a JSON object")
             if self.engine != "vllm":
-                raise ConfigError("kv_transfer_config", "needs --engine vllm")
+                raise ConfigError("kv_transfer_config", "needs --engine vllm (TensorRT-LLM: "
+                                  "--cache-transceiver-config)")
+        if self.cache_transceiver_config is not None:
+            if not isinstance(self.cache_transceiver_config, Mapping):
+                raise ConfigError("cache_transceiver_config", "must be a JSON object")
+            if self.engine != "trtllm":
+                raise ConfigError("cache_transceiver_config", "needs --engine trtllm")
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {share!r}")
@@ -68,9 +77,11 @@ class WorkerOptions:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = WorkerOptions()
     parser.add_argument("--engine", choices=ENGINES, default="sim",
-                        help="engine behind the worker: sim (simulated) or vllm "
-                             "(needs quiesce[vllm] and --model)")
-    parser.add_argument("--model", default=None, help="vllm: model directory")
+                        help="engine behind the worker: sim (simulated), vllm (needs "
+                             "quiesce[vllm] and --model) or trtllm (TensorRT-LLM's PyTorch "
+                             "backend in the worker's process; needs tensorrt_llm, e.g. its "
+                             "release container, and --model)")
+    parser.add_argument("--model", default=None, help="vllm, trtllm: model directory")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name of the OpenAI API (/v1/models and the answers' "
                              "`model`; default: the --model directory's name, 'quiesce' "
@@ -91,6 +102,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "KVTransferConfig, as `vllm serve --kv-transfer-config` takes "
                              "it (e.g. '{\"kv_connector\": \"NixlConnector\", "
                              "\"kv_role\": \"kv_both\"}')")
+    parser.add_argument("--cache-transceiver-config", default=None, metavar="JSON",
+                        help="trtllm: KV cache transceiver configuration, a JSON object for "
+                             "TensorRT-LLM's CacheTransceiverConfig (default for the prefill "
+                             "and decode roles: '{\"backend\": \"DEFAULT\"}')")
     parser.add_argument("--host", default=defaults.host, help="serving API address")
     parser.add_argument("--port", type=int, default=defaults.port, help="serving API port")
     parser.add_argument("--admin-host", default=defaults.admin_host, help="admin API address")
@@ -137,6 +152,8 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         gpu_memory_utilization=args.gpu_memory_utilization,
         served_model_name=args.served_model_name,
         kv_transfer_config=parse_json_object("kv_transfer_config", args.kv_transfer_config),
+        cache_transceiver_config=parse_json_object("cache_transceiver_config",
+                                                   args.cache_transceiver_config),
         host=args.host, port=args.port, admin_host=args.admin_host,
         admin_port=args.admin_port, role=Role.parse(args.role), budget_s=args.budget,
         cleanup_reserve_s=(args.reserve if args.reserve is not None

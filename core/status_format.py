@@ -57,6 +57,35 @@ def _pending_short(pending: dict[str, Any] | None) -> str:
     return f"{head} ({busy})" if busy else head
 
 
+def _eta_text(eta: object) -> str | None:
+    """``~3.2 s (at most 7.5 s)``, ``unknown: why``; None where the probe gives no ETA."""
+    if not isinstance(eta, dict):
+        return None
+    expected, upper = eta.get("expected_s"), eta.get("upper_s")
+    if not isinstance(expected, (int, float)):
+        return f"unknown: {eta.get('reason') or '?'}"
+    bound = (f"at most {upper:.1f}s" if isinstance(upper, (int, float))
+             else f"no bound: {eta.get('reason') or '?'}")
+    return f"~{expected:.1f}s ({bound})"
+
+
+BAR_WIDTH = 20
+
+
+def _eta_bar(drain: dict[str, Any], eta: object) -> str | None:
+    """``[########------------] 40% ETA ~3.0s (at most 5.0s)``: time spent draining
+    against that plus the estimate still to go; None without an estimate."""
+    text = _eta_text(eta)
+    elapsed = drain.get("elapsed_s")
+    expected = eta.get("expected_s") if isinstance(eta, dict) else None
+    if text is None or not isinstance(expected, (int, float)) \
+            or not isinstance(elapsed, (int, float)):
+        return None if text is None else f"ETA {text}"
+    done = elapsed / (elapsed + expected) if elapsed + expected > 0 else 1.0
+    filled = round(done * BAR_WIDTH)
+    return f"[{'#' * filled}{'-' * (BAR_WIDTH - filled)}] {done:4.0%} ETA {text}"
+
+
 def _reasons(pending: dict[str, Any] | None) -> list[str]:
     reasons = (pending or {}).get("reasons")
     return [str(r) for r in reasons] if isinstance(reasons, list) else []
@@ -88,6 +117,10 @@ def format_status(status: dict[str, Any]) -> str:
     rows.append(("pending work", _pending_line(pending if isinstance(pending, dict) else None)))
     rows += [("  unknown", reason) for reason in
              _reasons(pending if isinstance(pending, dict) else None)]
+    eta = pending.get("eta") if isinstance(pending, dict) else None
+    eta_text = _eta_text(eta)
+    if eta_text is not None and isinstance(eta, dict):
+        rows.append(("drain ETA", f"{eta_text} from {eta.get('basis', '?')}"))
     registered = status.get("discovery_registered")
     rows.append(("registration", "registered with discovery" if registered
                  else "not registered with discovery"))
@@ -145,7 +178,8 @@ def _lost_since_drain(status: dict[str, Any]) -> int:
 
 
 def progress_line(status: dict[str, Any]) -> str:
-    """One line of drain progress: state, stage, pending work, in-flight, elapsed vs budget."""
+    """One line of drain progress: state, stage, pending work, in-flight, elapsed vs budget,
+    and a bar of the time spent against the estimated time still to go (the drain ETA)."""
     drain = status.get("drain")
     pending = status.get("pending_work")
     parts = [str(status.get("state", "?"))]
@@ -160,6 +194,9 @@ def progress_line(status: dict[str, Any]) -> str:
         budget = drain.get("budget_s")
         parts.append(f"{_num(drain.get('elapsed_s'))} / "
                      + ("no budget" if budget is None else _num(budget)))
+        bar = _eta_bar(drain, pending.get("eta") if isinstance(pending, dict) else None)
+        if bar is not None:
+            parts.append(bar)
     return " · ".join(parts)
 
 

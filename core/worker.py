@@ -55,12 +55,15 @@ log = logging.getLogger("quiesce.worker")
 
 
 def build_serving(options: WorkerOptions) -> ServingEngine:
-    """The engine behind the worker; vLLM is imported only when asked for.
+    """The engine behind the worker; an engine is imported only when asked for.
 
     Options left unset stay unset, so the engine's defaults apply (vLLM: the model's
     context length; on a CPU the adapter's dtype and KV cache defaults, see
-    :mod:`quiesce.adapters.vllm.serving`).
+    :mod:`quiesce.adapters.vllm.serving`; TensorRT-LLM: see
+    :mod:`quiesce.adapters.trtllm.serving`, which also runs the drift check at start).
     """
+    if options.engine == "trtllm":
+        return _trtllm_serving(options)
     if options.engine == "vllm":
         from quiesce.adapters.vllm import installed_vllm_version  # noqa: PLC0415
         from quiesce.adapters.vllm.serving import VllmServing  # noqa: PLC0415
@@ -79,6 +82,20 @@ def build_serving(options: WorkerOptions) -> ServingEngine:
                            enforce_eager=True, **engine_args)
     return SimServing(SimConfig(decode_step_s=options.decode_step_s), options.role,
                       options.name, served_model_name=options.served_model_name or "quiesce")
+
+
+def _trtllm_serving(options: WorkerOptions) -> ServingEngine:
+    from quiesce.adapters.trtllm import installed_trtllm_version  # noqa: PLC0415
+    from quiesce.adapters.trtllm.serving import TrtllmServing  # noqa: PLC0415
+
+    if installed_trtllm_version() is None:
+        raise EngineNotInstalled("trtllm", "tensorrt_llm", "trtllm")
+    assert options.model is not None
+    return TrtllmServing(options.model, options.role, max_model_len=options.max_model_len,
+                         served_model_name=options.served_model_name,
+                         gpu_memory_fraction=options.gpu_memory_utilization,
+                         cache_transceiver_config=options.cache_transceiver_config,
+                         dtype=options.dtype)
 
 
 def _emit(event: dict[str, object]) -> None:

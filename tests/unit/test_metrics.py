@@ -11,6 +11,7 @@ something took: every wait is on an event or bounded by ``WAIT_S``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import AsyncIterator, Mapping
 
@@ -32,6 +33,7 @@ from quiesce import (
 )
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
 from quiesce.admission import Outcome
+from quiesce.eta import DrainEta
 from quiesce.lifecycle import DrainRun, EventKind, Lifecycle, LifecycleEvent, State
 from quiesce.metrics import DRAIN_BUCKETS_S, WorkerMetrics
 
@@ -48,7 +50,7 @@ FAMILIES = {
     "quiesce_pending_work", "quiesce_pending_work_known", "quiesce_pending_work_age_seconds",
     "quiesce_drain_duration_seconds", "quiesce_drain_outcomes", "quiesce_probe_reads",
     "quiesce_probe_errors", "quiesce_transitions", "quiesce_requests_ended",
-    "quiesce_drain_cost",
+    "quiesce_drain_cost", "quiesce_drain_eta_seconds",
 }
 """Every family the module docstring lists (the parser drops counters' ``_total``)."""
 
@@ -467,3 +469,14 @@ def test_one_registry_holds_one_worker() -> None:
     assert metrics.registry is registry
     with pytest.raises(ValueError, match="Duplicated timeseries"):
         WorkerMetrics(lifecycle(), registry)
+
+
+async def test_drain_eta_is_exported_and_nan_where_not_estimated() -> None:
+    snapshot = dataclasses.replace(busy(), eta=DrainEta(2.5, None, "test", "no lease"))
+    lifecycle, metrics = build(FakeProbe(snapshot))
+    samples = scrape(metrics)
+    assert math.isnan(value(samples, "quiesce_drain_eta_seconds", bound="expected"))
+    await lifecycle.read_status()
+    samples = scrape(metrics)
+    assert value(samples, "quiesce_drain_eta_seconds", bound="expected") == 2.5
+    assert math.isnan(value(samples, "quiesce_drain_eta_seconds", bound="upper"))

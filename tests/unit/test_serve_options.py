@@ -131,3 +131,27 @@ def test_publishing_the_deletion_cost_outside_a_pod_exits_2_naming_why(
     assert code == 2
     err = capsys.readouterr().err
     assert "publish_deletion_cost" in err and "KUBERNETES_SERVICE_HOST" in err
+
+
+def test_trtllm_options_reach_the_worker_options() -> None:
+    options = parse("--engine", "trtllm", "--model", "/models/tiny", "--role", "prefill",
+                    "--cache-transceiver-config", '{"backend": "NIXL"}')
+    assert (options.engine, options.model) == ("trtllm", "/models/tiny")
+    assert options.cache_transceiver_config == {"backend": "NIXL"}
+    with pytest.raises(ConfigError) as raised:
+        parse("--engine", "trtllm")
+    assert raised.value.field == "model"
+    with pytest.raises(ConfigError) as raised:
+        parse("--engine", "vllm", "--model", "/m", "--cache-transceiver-config", "{}")
+    assert raised.value.field == "cache_transceiver_config"
+    with pytest.raises(ConfigError) as raised:
+        parse("--engine", "trtllm", "--model", "/m", "--kv-transfer-config", "{}")
+    assert raised.value.field == "kv_transfer_config"
+
+
+def test_trtllm_without_tensorrt_llm_exits_2_naming_the_package(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["serve", "--engine", "trtllm", "--model", "/nonexistent", "--port", "0",
+                 "--admin-port", "0"])
+    assert code == 2
+    assert "tensorrt_llm" in capsys.readouterr().err

@@ -1,0 +1,209 @@
+"""TensorRT-LLM on an H200: the real executor behind ``quiesce serve --engine trtllm``.
+
+Run by ``ci/gpu/trtllm.sh`` inside NVIDIA's TensorRT-LLM release container; skipped, with
+the reason, where there is no GPU or no ``tensorrt_llm`` (tests/gpu/conftest.py), and
+where ``quiesce serve`` does not offer ``--engine trtllm`` yet. WRITTEN BUT NOT RUN: no
+machine this project had could install TensorRT-LLM (see the README's evidence level).
+
+- the drift checker passes against the installed package, and the layout it names is the
+  one the live probe reads (``test_drift_check_passes_on_the_installed_package``);
+- a context (prefill) worker with a real KV cache transceiver is drained only after the
+  generation (decode) worker pulled its KV: while the handle is unused the drain waits
+  and says why (``kv_sends_held``); on builds with the 1.2-era idle-loop gap the drain
+  instead ends at its budget, which the test reports as an expected failure with the
+  reason;
+- SIGTERM under streaming load, to the main process and to the whole process group,
+  loses nothing: every stream is read to its end (a 200 with an error event inside is a
+  lost request), and the worker exits drained with nothing aborted.
+
+Model: ``$QUIESCE_TRTLLM_MODEL`` (a local Hugging Face checkpoint; the container has no
+network), else the tiny random-weight Llama of the CPU tests (conftest ``tiny_model``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gpu.conftest import gpu_reason
+
+REQUIRES = ("tensorrt_llm",)
+
+_why = gpu_reason() or next((f"engine not installed: {m}" for m in REQUIRES
+                             if importlib.util.find_spec(m) is None), None)
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+from quiesce.adapters.trtllm import doctor  # noqa: E402
+from quiesce.adapters.trtllm.executor_reader import IDLE_GAP_NOTE  # noqa: E402
+from tests.integration.worker_process import (  # noqa: E402
+    TOKEN,
+    Worker,
+    signal_group,
+    start_worker,
+    stream_completion,
+)
+
+pytestmark = [pytest.mark.slow]
+
+MODEL_ENV = "QUIESCE_TRTLLM_MODEL"
+BUDGET_S = 120.0
+STARTUP_S = 900.0
+MAX_MODEL_LEN = 256
+PROMPT = "hello world"
+"""The prompt stream_completion sends: the generation request must repeat the context's."""
+MEMORY_SHARE = "0.25"
+"""KV cache share of free GPU memory per worker: two workers share one H200."""
+
+
+def _serve_engine_wired() -> str | None:
+    from quiesce.serve_options import ENGINES
+
+    return None if "trtllm" in ENGINES else (
+        "quiesce serve has no --engine trtllm yet (core/serve_options.py ENGINES)")
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest) -> Path:
+    given = os.environ.get(MODEL_ENV)
+    if given:
+        return Path(given)
+    path: Path = request.getfixturevalue("tiny_model")
+    return path
+
+
+@pytest.fixture
+def engine(model: Path) -> Iterator[tuple[str, ...]]:
+    reason = _serve_engine_wired()
+    if reason:
+        pytest.skip(reason)
+    yield ("--engine", "trtllm", "--model", str(model), "--max-model-len",
+           str(MAX_MODEL_LEN), "--gpu-memory-utilization", MEMORY_SHARE)
+
+
+def admin(worker: Worker, method: str, path: str, **body: Any) -> dict[str, Any]:
+    answer = httpx.request(method, f"{worker.admin_url}{path}", json=body or None,
+                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    answer.raise_for_status()
+    data: dict[str, Any] = answer.json()
+    return data
+
+
+def detail(pending: dict[str, Any], name: str) -> Any:
+    """A detail of a status's pending work, also where a merge prefixed its source."""
+    return next((v for k, v in pending["details"].items()
+                 if k == name or k.endswith(f".{name}")), None)
+
+
+def stays_draining(worker: Worker, seconds: float) -> dict[str, Any]:
+    """Poll the status for ``seconds``; fail if the worker leaves ``draining``."""
+    deadline = time.monotonic() + seconds
+    status = admin(worker, "GET", "/engine/status")
+    while time.monotonic() < deadline:
+        assert status["state"] == "draining", status
+        time.sleep(0.2)
+        status = admin(worker, "GET", "/engine/status")
+    return status
+
+
+def leaves_draining(worker: Worker, seconds: float) -> dict[str, Any]:
+    """The first status not ``draining``, or the last one after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    status = admin(worker, "GET", "/engine/status")
+    while status["state"] == "draining" and time.monotonic() < deadline:
+        time.sleep(0.2)
+        status = admin(worker, "GET", "/engine/status")
+    return status
+
+
+def test_drift_check_passes_on_the_installed_package(record_property: Any) -> None:
+    done = subprocess.run([sys.executable, "-m", "quiesce", "doctor", "trtllm", "--json"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] is True
+    layouts = {r["key"]: r["layout"] for r in report["requirements"]}
+    record_property("trtllm_version", report["version"])
+    record_property("trtllm_layouts", json.dumps(layouts))
+    assert "tensorrt_llm" not in sys.modules  # found without importing it
+    assert doctor.check_installed().ok
+
+
+async def test_sigterm_to_the_main_process_under_load_loses_nothing(
+        engine: tuple[str, ...]) -> None:
+    await _sigterm_under_load(engine, group=False)
+
+
+async def test_sigterm_to_the_process_group_under_load_loses_nothing(
+        engine: tuple[str, ...]) -> None:
+    await _sigterm_under_load(engine, group=True)
+
+
+async def _sigterm_under_load(engine: tuple[str, ...], group: bool) -> None:
+    with start_worker("--budget", str(BUDGET_S), "--router-grace", "0.2", engine=engine,
+                      startup_timeout=STARTUP_S) as worker:
+        idle = admin(worker, "GET", "/engine/status")["pending_work"]
+        assert idle["source"] == "trtllm.py_executor", idle
+        assert idle["verdict"] == "quiescent", idle
+        expected = {r.requirement.key: r.layout for r in doctor.check_installed().results}
+        assert detail(idle, "layout.ctx_in_transfer") == expected["ctx_in_transfer"]
+        started = asyncio.Event()
+        streams = [asyncio.create_task(stream_completion(worker.url, 64, started=started))
+                   for _ in range(8)]
+        await asyncio.wait_for(started.wait(), timeout=300)
+        if group:
+            signal_group(worker.process.pid)
+        else:
+            worker.signal()
+        code, report = await asyncio.to_thread(worker.finish, BUDGET_S + 60)
+        results = await asyncio.gather(*streams)
+    for result in results:  # every stream was read to its end
+        assert result.status == 200 and result.done and result.error is None, result
+        assert result.tokens > 0
+    assert code == 0, report
+    assert report is not None and report["drained"] is True, report
+    assert report["aborted_requests"] == 0, report
+
+
+async def test_context_worker_drains_only_after_the_generation_worker_pulled_the_kv(
+        engine: tuple[str, ...]) -> None:
+    with start_worker("--budget", str(BUDGET_S), "--router-grace", "0.2", "--role", "prefill",
+                      engine=engine, startup_timeout=STARTUP_S) as prefill, \
+            start_worker("--budget", str(BUDGET_S), "--router-grace", "0.2", "--role",
+                         "decode", engine=engine, startup_timeout=STARTUP_S) as decode:
+        async with httpx.AsyncClient(timeout=120) as client:
+            answer = await client.post(f"{prefill.url}/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {}})
+        assert answer.status_code == 200, answer.text
+        handle = answer.json()["kv_transfer_params"]
+        assert handle["request_type"] == "generation_only", handle
+
+        admin(prefill, "POST", "/engine/drain", budget_s=BUDGET_S)
+        # The decoder has not pulled the KV yet: the drain must wait, and say why.
+        status = await asyncio.to_thread(stays_draining, prefill, 5.0)
+        assert status["pending_work"]["kv_sends_held"] >= 1, status
+
+        pulled = await stream_completion(decode.url, 8, kv=handle)  # the same PROMPT
+        assert pulled.status == 200 and pulled.done and pulled.error is None, pulled
+
+        status = await asyncio.to_thread(leaves_draining, prefill, BUDGET_S)
+        pending = status.get("pending_work") or {"details": {}}
+        if status["state"] != "drained" and detail(pending, "note") == IDLE_GAP_NOTE:
+            pytest.xfail("the 1.2-era idle loop did not reap the finished transfer: the "
+                         "drain ends at its budget on this TensorRT-LLM build")
+        assert status["state"] == "drained", status
+        for worker in (prefill, decode):
+            worker.signal()
+            code, report = await asyncio.to_thread(worker.finish, BUDGET_S + 60)
+            assert code == 0 and report is not None and report["aborted_requests"] == 0, report
