@@ -43,8 +43,8 @@ from quiesce.adapters.sim import KVFate, RequestAborted, SimConfig, SimEngine, S
 from quiesce.admission import AdmissionGate, Outcome
 from quiesce.budget import check_seconds
 from quiesce.discovery import InMemoryDirectory, InMemoryDiscovery
-from quiesce.drain_cost import drain_cost
 from quiesce.drain import DrainConfig
+from quiesce.drain_cost import drain_cost
 from quiesce.errors import ConfigError, WorkerDraining
 from quiesce.lifecycle import Lifecycle
 from quiesce.probe import Role

@@ -9,6 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from quiesce.adapters.nvml import parse_devices
 from quiesce.adapters.sim import SimConfig
 from quiesce.errors import ConfigError
 from quiesce.probe import Role
@@ -42,6 +43,7 @@ class WorkerOptions:
     decode_step_s: float = 0.02
     name: str = "worker"
     publish_deletion_cost: bool = False
+    require_gpu_quiet: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -124,6 +126,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep admitting this long after unregistering, s (%(default)s)")
     parser.add_argument("--decode-step", type=float, default=defaults.decode_step_s,
                         help="sim engine: seconds per decode step (%(default)s)")
+    parser.add_argument("--require-gpu-quiet", default=None, metavar="DEVICES",
+                        help="before `drained`, also require these GPUs (NVML indices as "
+                             "nvidia-smi shows them, e.g. 0,1) to be quiet: SM utilisation "
+                             "and PCIe/NVLink traffic under thresholds, sampled when the "
+                             "engine says it is idle. Never makes a worker drained on its "
+                             "own; unreadable NVML is unknown. Needs quiesce[nvml]")
     parser.add_argument("--publish-deletion-cost", action="store_true",
                         help="keep this pod's controller.kubernetes.io/pod-deletion-cost "
                              "annotation at the worker's drain cost, so a scale-down removes "
@@ -160,4 +168,6 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                            else min(5.0, max(args.budget, 0) / 5)),
         router_grace_s=args.router_grace,
         admin_token_file=args.admin_token_file, decode_step_s=args.decode_step,
-        publish_deletion_cost=args.publish_deletion_cost)
+        publish_deletion_cost=args.publish_deletion_cost,
+        require_gpu_quiet=(() if args.require_gpu_quiet is None
+                           else parse_devices(args.require_gpu_quiet)))

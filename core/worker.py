@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
 import signal
 import sys
 
+from quiesce.adapters.nvml import GpuQuietProbe, require_gpu_quiet
 from quiesce.adapters.sim import SimConfig, SimServing
 from quiesce.admission import AdmissionGate
 from quiesce.discovery import InMemoryDiscovery
@@ -46,6 +48,7 @@ from quiesce.lifecycle import Lifecycle
 from quiesce.metrics import WorkerMetrics
 from quiesce.openai_api import ServingEngine, create_completions_app
 from quiesce.pod_deletion_cost import DeletionCostPublisher, PodIdentity
+from quiesce.probe import QuiescenceProbe
 from quiesce.serve_options import WorkerOptions, options_from_args
 from quiesce.server import EmbeddedServer, bind_socket, check_bind, create_admin_app, load_token
 from quiesce.shutdown import SIGNALS, Shutdown, ShutdownPolicy, exit_immediately
@@ -134,15 +137,26 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
                  early: list[signal.Signals]) -> int:
     # Configuration errors surface before the (slow) engine start.
     pod = PodIdentity.from_environment() if options.publish_deletion_cost else None
+    if options.require_gpu_quiet and importlib.util.find_spec("pynvml") is None:
+        raise EngineNotInstalled("nvml", "nvidia-ml-py", "nvml")
+    drain_config = DrainConfig(router_grace_s=options.router_grace_s)
     serving = build_serving(options)
     await serving.start()
     guards = signals.report()
     log.log(logging.INFO if guards.protected else logging.WARNING, "signal guard: %s",
             guards.summary())
+    probe: QuiescenceProbe = serving.probe
+    gpu_quiet: GpuQuietProbe | None = None
+    if options.require_gpu_quiet:
+        probe = gpu_quiet = require_gpu_quiet(serving.probe, options.require_gpu_quiet,
+                                              probe_timeout_s=drain_config.probe_timeout_s)
+        if (why := await gpu_quiet.check()) is not None:
+            log.warning("--require-gpu-quiet: the GPUs cannot be read, so the worker will "
+                        "not report drained until they can: %s", why)
     gate = AdmissionGate()
-    lifecycle = Lifecycle(gate=gate, probe=serving.probe,
+    lifecycle = Lifecycle(gate=gate, probe=probe,
                           discovery=InMemoryDiscovery(options.name),
-                          config=DrainConfig(router_grace_s=options.router_grace_s))
+                          config=drain_config)
     shutdown = Shutdown(lifecycle, serving.control,
                         ShutdownPolicy(total_s=options.budget_s,
                                        cleanup_reserve_s=options.cleanup_reserve_s),
@@ -181,6 +195,8 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
         await asyncio.gather(api.stop(), admin.stop())
 
     report = await shutdown.run(close=close)
+    if gpu_quiet is not None:
+        await gpu_quiet.aclose()  # shuts NVML down and ends its thread
     _emit({"event": "exit", **report.to_dict()})
     return report.exit_code
 

@@ -367,3 +367,26 @@ def test_unmeetable_budget_exits_1_with_the_reason_then_resume(tmp_path: Path) -
         assert result.returncode == 0, explain(result)
         assert json.loads(result.stdout)["state"] == "serving"
         assert stuck.status()["state"] == "serving"
+
+
+def test_an_unreadable_gpu_keeps_a_worker_that_requires_it_quiet_from_draining(
+        tmp_path: Path) -> None:
+    # The real pynvml on a machine without an NVIDIA driver: NVML cannot answer, so the
+    # idle engine is not enough and the worker never claims drained (fail closed).
+    # tests/gpu/test_nvml.py reads a real H200.
+    with running_worker(tmp_path, "--require-gpu-quiet", "0") as worker:
+        pending = worker.status()["pending_work"]
+        assert pending["verdict"] == "unknown"
+        assert any("NVML" in reason for reason in pending["reasons"]), pending
+        assert "GPUs cannot be read" in worker.stderr()
+        result = cli("drain", "--wait", "--budget", "0.5", "--url", worker.admin_url)
+        assert result.returncode == 1, explain(result)
+        assert "NVML" in result.stderr
+        assert worker.status()["state"] == "draining"
+
+
+def test_a_bad_gpu_list_exits_2_before_anything_starts() -> None:
+    result = cli("serve", "--engine", "sim", "--require-gpu-quiet", "0,x", "--port", "0",
+                 "--admin-port", "0")
+    assert result.returncode == 2, explain(result)
+    assert "require_gpu_quiet" in result.stderr

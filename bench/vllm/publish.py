@@ -1,10 +1,10 @@
 """What the plugin's board costs EngineCore per step, on a real vLLM scheduler.
 
-Run by :mod:`bench.vllm` in a child process (vLLM reads
+Run by :mod:`bench.vllm.run` in a child process (vLLM reads
 ``VLLM_ENABLE_V1_MULTIPROCESSING`` when the engine starts, and this needs EngineCore in
 the same process as the timer)::
 
-    .venv-vllm/bin/python -m bench.vllm_publish MODEL_DIR RELEASE_DIR
+    .venv-vllm/bin/python -m bench.vllm.publish MODEL_DIR RELEASE_DIR
 
 With ``RUNNING`` requests decoding it times, between engine steps: the plugin's count
 (``count_pending``, run twice per step once a probe subscribed), a board write (only when
