@@ -61,8 +61,12 @@ def gpu_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    reason = gpu_reason()
-    for item in items:
+    # A conftest's collection hook sees the whole session: skip only this directory's tests
+    # (``pytest tests/unit tests/gpu`` must still run the unit tests).
+    here = Path(__file__).resolve().parent
+    ours = [item for item in items if here in Path(str(item.path)).resolve().parents]
+    reason = gpu_reason() if ours else None
+    for item in ours:
         module = getattr(item, "module", None)
         needed = getattr(module, "REQUIRES", ())
         missing = [m for m in needed if importlib.util.find_spec(m) is None]

@@ -42,6 +42,17 @@ def test_there_are_gpu_suites_and_scripts_to_check() -> None:
 # -- the GPU suites collect and skip with a reason --------------------------------------
 
 
+def test_the_gpu_skip_touches_only_the_gpu_suites() -> None:
+    """A conftest's collection hook sees every item of the session: run together with a
+    CPU test, the GPU conftest must leave that test alone."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+         "tests/unit/test_drain_cost.py", "tests/gpu/test_nvml.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "test_drain_cost.py::test_known_work_is_the_cost PASSED" in proc.stdout, proc.stdout
+
+
 @pytest.fixture(scope="module")
 def gpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[ET.Element, str]:
     """One pytest run over every GPU module: its JUnit XML root and its terminal output."""
