@@ -5,7 +5,8 @@ four workers behind a lagging router, streaming requests with log-normal output
 lengths, a quarter of them disaggregated), replayed twice from the same seed: once
 removing an arbitrary worker (worker-0; among equally ready pods a ReplicaSet's choice
 knows nothing of their work) and once removing the worker with the lowest drain cost
-(:mod:`quiesce.drain_cost`, what ``--publish-deletion-cost`` makes a ReplicaSet do).
+(:mod:`quiesce.drain_cost`: here the simulator's drain ETA; what
+``--publish-deletion-cost`` makes a ReplicaSet do).
 Both use quiesce's budgeted shutdown, so both lose nothing; what differs is how long
 the victim takes to drain and how many requests it held.
 
@@ -73,7 +74,8 @@ def run(scale_downs: int = SCALE_DOWNS) -> Result:
         notes=[
             "Each scale-down is replayed twice from the same seed: the victim is worker-0 "
             "(arbitrary) or the worker with the lowest drain cost at that moment (ties stay "
-            "with worker-0). Both drain with quiesce's budgeted shutdown.",
+            "with worker-0): the simulator's drain ETA in ms (quiesce.drain_cost). Both "
+            "drain with quiesce's budgeted shutdown.",
             "drain_s_*: from the scale-down to the victim's drain run ending (drained), in "
             "simulated seconds. moved_*: requests the victim held when the scale-down began "
             "(admitted and in flight, or KV held for a decoder).",

@@ -7,14 +7,21 @@ its drain cost lets the platform (Kubernetes' ``pod-deletion-cost`` annotation, 
 ``quiesce_drain_cost`` metric) remove the cheapest one instead.
 
 :func:`drain_cost` is pure and costs nothing: it reads a probe snapshot the caller
-already holds. The unit is **requests outstanding** (the work a drain must wait for):
+already holds. The unit is **milliseconds of expected drain time**, so that workers
+compare whatever their probe can tell:
 
-- the probe's snapshot is known: the larger of its total and the admitted requests
-  (a request admitted but not yet seen by the engine counts too) — ``source`` is
-  ``pending_work``;
-- the snapshot is unknown, missing or not yet read: the admitted requests alone,
-  labelled ``source="inflight"`` with the reason, as a lower bound. A platform that
-  wants to fail closed can treat that source as "do not prefer this victim".
+- the snapshot carries a drain ETA (:mod:`quiesce.eta`) with a point estimate: that
+  estimate — ``source`` is ``eta``;
+- else the work is counted (the snapshot is known): the larger of its total and the
+  admitted requests (a request admitted but not yet seen by the engine counts too), each
+  at :data:`REQUEST_COST_MS` — ``source`` is ``pending_work``;
+- else (unknown, not read yet) the admitted requests alone at :data:`REQUEST_COST_MS`,
+  a lower bound, labelled ``source="inflight"`` with the reason.
+
+:data:`REQUEST_COST_MS` is deliberately long (a minute a request): a worker whose work
+cannot be timed is never preferred over one whose estimate says it is nearly done, and
+an idle worker (no work, cost 0) is always preferred. Between workers on the same
+fallback it orders by requests, as counting would.
 
 The cost orders workers; it never decides whether one is drained.
 """
@@ -22,35 +29,47 @@ The cost orders workers; it never decides whether one is drained.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from quiesce.probe import PendingWork, Verdict
 
 INT32_MAX = 2**31 - 1
-"""Kubernetes reads ``pod-deletion-cost`` as an int32."""
+"""Kubernetes reads ``pod-deletion-cost`` as an int32 (24.8 days in milliseconds)."""
+REQUEST_COST_MS = 60_000
+"""What one request is assumed to cost when the probe gives no ETA: a minute."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DrainCost:
-    """A worker's drain cost: ``value`` in ``unit``, read from ``source``."""
+    """A worker's drain cost: ``value`` milliseconds, read from ``source``."""
 
     value: int
     source: str
-    unit: str = "requests"
     reason: str | None = None
-    """Why the weaker source was used (``source == "inflight"``), else ``None``."""
+    """Why a weaker source than the ETA was used, else ``None``."""
+    unit: str = "ms"
 
     def to_dict(self) -> dict[str, object]:
         return {"value": self.value, "unit": self.unit, "source": self.source,
                 "reason": self.reason}
 
 
+def _requests(count: int, source: str, reason: str) -> DrainCost:
+    return DrainCost(min(count * REQUEST_COST_MS, INT32_MAX), source, reason)
+
+
 def drain_cost(pending: PendingWork | None, inflight: int) -> DrainCost:
     """The drain cost from the latest snapshot and the admitted requests in flight."""
     if pending is None:
-        return DrainCost(min(inflight, INT32_MAX), "inflight",
-                         reason="the engine has not been read yet")
+        return _requests(inflight, "inflight", "the engine has not been read yet")
+    eta = pending.eta
+    if eta is not None and eta.expected_s is not None and pending.verdict is not Verdict.UNKNOWN:
+        return DrainCost(min(math.ceil(eta.expected_s * 1000), INT32_MAX), "eta")
     total = pending.total
     if pending.verdict is Verdict.UNKNOWN or total is None:
         why = "; ".join(pending.reasons) or "the engine's pending work is unknown"
-        return DrainCost(min(inflight, INT32_MAX), "inflight", reason=why)
-    return DrainCost(min(max(total, inflight), INT32_MAX), "pending_work")
+        return _requests(inflight, "inflight", why)
+    why = (f"no ETA: {eta.reason}" if eta is not None else
+           f"{pending.source} gives no drain ETA")
+    return _requests(max(total, inflight), "pending_work",
+                     f"{why}; {REQUEST_COST_MS // 1000} s counted per request")

@@ -43,9 +43,8 @@ quiesce_drain_eta_seconds         gauge     bound   scrape that snapshot's drain
                                                            ``upper``; NaN when unknown, unbounded
                                                            or not estimated by the probe
 quiesce_drain_cost                gauge             scrape the drain cost of that snapshot
-                                                           (:mod:`quiesce.drain_cost`): requests
-                                                           outstanding; the admitted requests
-                                                           alone while the snapshot is unknown
+                                                           (:mod:`quiesce.drain_cost`), ms: its
+                                                           ETA, else a minute per request
 quiesce_drain_duration_seconds    histogram outcome event  a drain run's elapsed_s, observed on
                                                            drain_finished
 quiesce_drain_outcomes_total      counter   outcome event  drain runs ended (drain_finished), by
@@ -153,9 +152,8 @@ class _ScrapeCollector:
             "quiesce_pending_work_known": "1 if the latest probe reading's verdict is known",
             "quiesce_pending_work_age_seconds": "Seconds since the latest probe reading "
                                                 "(+Inf before the first)",
-            "quiesce_drain_cost": "What removing this worker now would cost, in requests "
-                                  "outstanding (the admitted requests only, a lower bound, "
-                                  "while quiesce_pending_work_known is 0)",
+            "quiesce_drain_cost": "What removing this worker now would cost, in milliseconds: "
+                                  "the drain ETA, else a minute per request outstanding",
         }
         if not with_samples:
             yield state

@@ -105,8 +105,9 @@ class PublishPolicy:
 
     interval_s: float = 5.0
     """Between two reads of the cost; also the shortest time between two PATCHes."""
-    min_change: int = 2
-    """A move smaller than this (in requests) is not published, except to or from 0."""
+    min_change: int = 1000
+    """A move smaller than this (in the cost's unit, milliseconds) is not published,
+    except to or from 0."""
     min_change_ratio: float = 0.2
     """... nor one smaller than this share of the published value."""
     max_backoff_s: float = 60.0

@@ -23,6 +23,7 @@ import pytest
 
 from quiesce import AdmissionGate, InMemoryDiscovery, PendingWork, Role
 from quiesce.errors import ConfigError
+from quiesce.eta import DrainEta
 from quiesce.lifecycle import Lifecycle
 from quiesce.pod_deletion_cost import (
     ANNOTATION,
@@ -84,7 +85,8 @@ def api() -> Iterator[StandInApiServer]:
 
 
 class Work:
-    """A probe whose running count the test sets."""
+    """A probe whose running count the test sets; its ETA is a second per request, so
+    the drain cost is ``running`` x 1000 ms."""
 
     role = Role.AGGREGATED
     source = "test"
@@ -94,7 +96,8 @@ class Work:
 
     async def pending_work(self) -> PendingWork:
         return PendingWork(Role.AGGREGATED, "test", waiting=0, running=self.running,
-                           kv_sends_held=0, kv_recvs_awaited=0)
+                           kv_sends_held=0, kv_recvs_awaited=0,
+                           eta=DrainEta(float(self.running), float(self.running), "test"))
 
     async def is_quiescent(self) -> bool:
         return self.running == 0
@@ -124,23 +127,22 @@ async def test_the_patch_is_a_merge_patch_of_the_annotation_with_the_token(
     assert first == {"path": "/api/v1/namespaces/llm/pods/w-0",
                      "content_type": "application/merge-patch+json",
                      "authorization": "Bearer token-1",
-                     "body": {"metadata": {"annotations": {ANNOTATION: "3"}}}}
+                     "body": {"metadata": {"annotations": {ANNOTATION: "3000"}}}}
     assert second["authorization"] == "Bearer token-2"
-    assert pub.status()["published"] == 9 and pub.status()["patches"] == 2
+    assert pub.status()["published"] == 9000 and pub.status()["patches"] == 2
 
 
 async def test_small_moves_are_not_published_but_moves_to_and_from_zero_are(
         api: StandInApiServer, tmp_path: Path) -> None:
     work = Work()
-    pub = publisher(api, tmp_path, work, PublishPolicy(min_change=2, min_change_ratio=0.2))
+    pub = publisher(api, tmp_path, work, PublishPolicy(min_change=2000, min_change_ratio=0.2))
     for running in (0, 1, 2, 5, 6, 20, 22, 0, 0):
         work.running = running
         await pub.publish_once()
-    # 0 first; 0→1 (from zero); 2 (moved 1 < 2) no; 5 yes; 6 no; 20 yes;
-    # 22 (2 < 20 % of 20) no; 0 (to zero) yes; 0 again no.
-    assert api.costs() == ["0", "1", "5", "20", "0"]
-    assert pub.status()["cost"] == {"value": 0, "unit": "requests", "source": "pending_work",
-                                    "reason": None}
+    # (in seconds) 0 first; 0→1 (from zero); 2 (moved 1 s < 2 s) no; 5 yes; 6 no; 20 yes;
+    # 22 (2 s < 20 % of 20 s) no; 0 (to zero) yes; 0 again no.
+    assert api.costs() == ["0", "1000", "5000", "20000", "0"]
+    assert pub.status()["cost"] == {"value": 0, "unit": "ms", "source": "eta", "reason": None}
 
 
 async def test_a_refused_patch_is_shown_and_retried_never_raised(
@@ -160,7 +162,7 @@ async def test_a_refused_patch_is_shown_and_retried_never_raised(
     api.status = 200
     assert await pub.publish_once()  # the same cost is retried after a failure
     assert pub.status()["last_error"] is None and pub.next_wait_s() == 1.0
-    assert api.costs() == ["4", "4", "4"]
+    assert api.costs() == ["4000", "4000", "4000"]
 
 
 async def test_an_unreachable_api_server_or_a_missing_token_is_an_error_in_status(
@@ -200,7 +202,7 @@ async def test_run_stops_when_asked_and_patches_once_per_change(
         pass
     stop.set()
     await asyncio.wait_for(task, 5.0)
-    assert api.costs() == ["2", "0"]
+    assert api.costs() == ["2000", "0"]
 
 
 def test_identity_from_the_pod_environment(tmp_path: Path) -> None:

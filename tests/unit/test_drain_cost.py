@@ -4,42 +4,59 @@ from __future__ import annotations
 
 from quiesce import AdmissionGate, InMemoryDiscovery, PendingWork, Role
 from quiesce.admission import Outcome
-from quiesce.drain_cost import INT32_MAX, drain_cost
+from quiesce.drain_cost import INT32_MAX, REQUEST_COST_MS, drain_cost
+from quiesce.eta import DrainEta
 from quiesce.lifecycle import Lifecycle
 from quiesce.probe import UNKNOWN
 
 
-def snapshot(**counts: int) -> PendingWork:
+def snapshot(eta: DrainEta | None = None, **counts: int) -> PendingWork:
     base = {"waiting": 0, "running": 0, "kv_sends_held": 0, "kv_recvs_awaited": 0}
     base.update(counts)
-    return PendingWork(Role.PREFILL, "test", **base)  # type: ignore[arg-type]
+    return PendingWork(Role.PREFILL, "test", eta=eta, **base)  # type: ignore[arg-type]
 
 
-def test_known_work_is_the_cost() -> None:
+def test_the_eta_is_the_cost_when_the_probe_estimates_one() -> None:
+    cost = drain_cost(snapshot(DrainEta(2.5, 4.0, "test"), running=3), inflight=1)
+    assert (cost.value, cost.unit, cost.source, cost.reason) == (2500, "ms", "eta", None)
+
+
+def test_without_an_eta_each_request_counts_a_minute() -> None:
     cost = drain_cost(snapshot(running=3, kv_sends_held=2), inflight=1)
-    assert (cost.value, cost.source, cost.unit, cost.reason) == (5, "pending_work", "requests",
-                                                                 None)
+    assert (cost.value, cost.source) == (5 * REQUEST_COST_MS, "pending_work")
+    assert cost.reason is not None and "gives no drain ETA" in cost.reason
+    unknown_eta = snapshot(DrainEta.unknown("steps", "no step time yet"), running=1)
+    cost = drain_cost(unknown_eta, inflight=0)
+    assert cost.value == REQUEST_COST_MS and "no step time yet" in str(cost.reason)
+
+
+def test_a_worker_that_cannot_be_timed_is_never_cheaper_than_one_nearly_done() -> None:
+    nearly_done = drain_cost(snapshot(DrainEta(40.0, 50.0, "test"), running=30), 30)
+    untimed = drain_cost(snapshot(running=1), 1)
+    idle = drain_cost(snapshot(), 0)
+    assert idle.value == 0 < nearly_done.value < untimed.value
 
 
 def test_admitted_requests_the_engine_has_not_seen_count_too() -> None:
-    assert drain_cost(snapshot(running=1), inflight=4).value == 4
+    assert drain_cost(snapshot(running=1), inflight=4).value == 4 * REQUEST_COST_MS
 
 
 def test_unknown_work_falls_back_to_the_admitted_requests_and_says_why() -> None:
     unknown = PendingWork.unknown(Role.PREFILL, "test", "EngineCore did not answer in 0.5 s")
     cost = drain_cost(unknown, inflight=2)
-    assert (cost.value, cost.source) == (2, "inflight")
+    assert (cost.value, cost.source) == (2 * REQUEST_COST_MS, "inflight")
     assert cost.reason is not None and cost.reason.startswith("EngineCore did not answer")
     partly = PendingWork(Role.PREFILL, "test", waiting=0, running=0, kv_sends_held=UNKNOWN,
-                         kv_recvs_awaited=0)
-    assert drain_cost(partly, inflight=0).source == "inflight"
+                         kv_recvs_awaited=0, eta=DrainEta(1.0, 2.0, "test"))
+    assert drain_cost(partly, inflight=0).source == "inflight"  # an ETA of unknown work
     first = drain_cost(None, inflight=0)
     assert (first.value, first.source, first.reason) == (0, "inflight",
                                                          "the engine has not been read yet")
 
 
 def test_the_cost_fits_kubernetes_int32() -> None:
-    assert drain_cost(snapshot(waiting=INT32_MAX, running=5), inflight=0).value == INT32_MAX
+    assert drain_cost(snapshot(waiting=10**6, running=5), inflight=0).value == INT32_MAX
+    assert drain_cost(snapshot(DrainEta(1e9, 1e9, "t"), running=1), 0).value == INT32_MAX
 
 
 async def test_status_shows_the_cost() -> None:
@@ -48,7 +65,7 @@ async def test_status_shows_the_cost() -> None:
         source = "test"
 
         async def pending_work(self) -> PendingWork:
-            return snapshot(running=2, kv_sends_held=1)
+            return snapshot(DrainEta(0.75, 1.0, "test"), running=2, kv_sends_held=1)
 
         async def is_quiescent(self) -> bool:
             return False
@@ -57,9 +74,9 @@ async def test_status_shows_the_cost() -> None:
                           discovery=InMemoryDiscovery("w0"))
     admission = lifecycle.gate.admit("r1")
     assert lifecycle.status().to_dict()["drain_cost"] == {
-        "value": 1, "unit": "requests", "source": "inflight",
+        "value": REQUEST_COST_MS, "unit": "ms", "source": "inflight",
         "reason": "the engine has not been read yet"}
     status = (await lifecycle.read_status()).to_dict()
-    assert status["drain_cost"] == {"value": 3, "unit": "requests", "source": "pending_work",
+    assert status["drain_cost"] == {"value": 750, "unit": "ms", "source": "eta",
                                     "reason": None}
     admission.finish(Outcome.COMPLETED)

@@ -33,6 +33,7 @@ from quiesce import (
 )
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
 from quiesce.admission import Outcome
+from quiesce.drain_cost import REQUEST_COST_MS
 from quiesce.eta import DrainEta
 from quiesce.lifecycle import DrainRun, EventKind, Lifecycle, LifecycleEvent, State
 from quiesce.metrics import DRAIN_BUCKETS_S, WorkerMetrics
@@ -381,7 +382,7 @@ async def test_unknown_counters_are_nan_and_not_known() -> None:
     samples = scrape(metrics)
     work = pending(samples)
     # unknown engine work: the cost falls back to the admitted requests (a lower bound)
-    assert value(samples, "quiesce_drain_cost") == 2
+    assert value(samples, "quiesce_drain_cost") == 2 * REQUEST_COST_MS
     for admission in admitted:
         admission.finish(Outcome.COMPLETED)
     assert set(work) == {"waiting", "running", "kv_sends_held", "kv_recvs_awaited", "grammar",
@@ -400,7 +401,7 @@ async def test_engine_queues_are_kinds_and_busy_is_known() -> None:
     assert pending(samples) == {"waiting": 1, "running": 2, "kv_sends_held": 0,
                                 "kv_recvs_awaited": 0, "grammar": 4}
     assert value(samples, "quiesce_pending_work_known") == 1
-    assert value(samples, "quiesce_drain_cost") == 7
+    assert value(samples, "quiesce_drain_cost") == 7 * REQUEST_COST_MS  # no ETA: a minute each
 
 
 async def test_before_any_reading_pending_work_is_unknown_and_infinitely_old() -> None:
