@@ -15,8 +15,8 @@ from quiesce.errors import ConfigError
 from quiesce.probe import Role
 from quiesce.shutdown import ShutdownPolicy
 
-ENGINES = ("sim", "vllm", "trtllm")
-MODEL_ENGINES = ("vllm", "trtllm")
+ENGINES = ("sim", "vllm", "sglang", "trtllm")
+MODEL_ENGINES = ("vllm", "sglang", "trtllm")
 """Engines that load a model (``--model`` required)."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 
@@ -80,10 +80,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = WorkerOptions()
     parser.add_argument("--engine", choices=ENGINES, default="sim",
                         help="engine behind the worker: sim (simulated), vllm (needs "
-                             "quiesce[vllm] and --model) or trtllm (TensorRT-LLM's PyTorch "
+                             "quiesce[vllm] and --model), sglang (needs quiesce[sglang] and "
+                             "--model) or trtllm (TensorRT-LLM's PyTorch "
                              "backend in the worker's process; needs tensorrt_llm, e.g. its "
                              "release container, and --model)")
-    parser.add_argument("--model", default=None, help="vllm, trtllm: model directory")
+    parser.add_argument("--model", default=None, help="vllm, sglang, trtllm: model directory")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name of the OpenAI API (/v1/models and the answers' "
                              "`model`; default: the --model directory's name, 'quiesce' "

@@ -63,10 +63,13 @@ def build_serving(options: WorkerOptions) -> ServingEngine:
     Options left unset stay unset, so the engine's defaults apply (vLLM: the model's
     context length; on a CPU the adapter's dtype and KV cache defaults, see
     :mod:`quiesce.adapters.vllm.serving`; TensorRT-LLM: see
-    :mod:`quiesce.adapters.trtllm.serving`, which also runs the drift check at start).
+    :mod:`quiesce.adapters.trtllm.serving`, which also runs the drift check at start;
+    SGLang: :mod:`quiesce.adapters.sglang.serving`, its CPU path where there is no GPU).
     """
     if options.engine == "trtllm":
         return _trtllm_serving(options)
+    if options.engine == "sglang":
+        return _sglang_serving(options)
     if options.engine == "vllm":
         from quiesce.adapters.vllm import installed_vllm_version  # noqa: PLC0415
         from quiesce.adapters.vllm.serving import VllmServing  # noqa: PLC0415
@@ -85,6 +88,22 @@ def build_serving(options: WorkerOptions) -> ServingEngine:
                            enforce_eager=True, **engine_args)
     return SimServing(SimConfig(decode_step_s=options.decode_step_s), options.role,
                       options.name, served_model_name=options.served_model_name or "quiesce")
+
+
+def _sglang_serving(options: WorkerOptions) -> ServingEngine:
+    from quiesce.adapters.sglang import installed_sglang_version  # noqa: PLC0415
+    from quiesce.adapters.sglang.serving import SglangServing  # noqa: PLC0415
+
+    if installed_sglang_version() is None:
+        raise EngineNotInstalled("sglang", "sglang", "sglang")
+    assert options.model is not None
+    server_args: dict[str, object] = {}
+    if options.dtype != "auto":
+        server_args["dtype"] = options.dtype
+    if options.gpu_memory_utilization is not None:
+        server_args["mem_fraction_static"] = options.gpu_memory_utilization
+    return SglangServing(options.model, options.role, max_model_len=options.max_model_len,
+                         served_model_name=options.served_model_name, **server_args)
 
 
 def _trtllm_serving(options: WorkerOptions) -> ServingEngine:

@@ -155,3 +155,14 @@ def test_trtllm_without_tensorrt_llm_exits_2_naming_the_package(
                  "--admin-port", "0"])
     assert code == 2
     assert "tensorrt_llm" in capsys.readouterr().err
+
+
+def test_sglang_needs_a_model_and_its_package(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse("--engine", "sglang")
+    assert raised.value.field == "model"
+    assert parse("--engine", "sglang", "--model", "/m").engine == "sglang"
+    code = main(["serve", "--engine", "sglang", "--model", "/nonexistent", "--port", "0",
+                 "--admin-port", "0"])
+    assert code == 2  # the core environment has no sglang: named, nothing started
+    assert "'sglang'" in capsys.readouterr().err
