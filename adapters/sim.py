@@ -26,7 +26,9 @@ and it notifies the drain on every change (``wait_for_change``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import heapq
 import random
 import time
 from collections import deque
@@ -51,6 +53,9 @@ __all__ = ["KVFate", "RequestAborted", "SimConfig", "SimEngine", "SimProbe", "Si
 class KVFate(str, Enum):
     PULLED = "pulled"
     FREED_EARLY = "freed_early"
+
+
+SIM_ETA_BASIS = "the step loop's schedule of the remaining tokens (simulated)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,26 +168,49 @@ class SimEngine:
         return bool(self._waiting or self._running or self._held or self._awaiting_kv)
 
     def estimated_drain_s(self, pull_s: float | None = None) -> float:
-        """Simulated seconds until all current work would be done (no new arrivals), a KV
-        pull taking ``pull_s`` (default: the slowest the time model allows)."""
+        """Simulated seconds until all current work would be done (no new arrivals),
+        following the step loop's own schedule (a waiting request starts when a slot
+        frees, its prefill lengthens that step), a KV pull taking ``pull_s`` after its
+        request finished (default: the slowest the time model allows)."""
         cfg = self.config
-        steps = [r.request.max_tokens - r.generated for r in self._running.values()]
-        steps += [r.request.max_tokens for r in self._waiting]
-        decode = max(steps, default=0) * cfg.decode_step_s
-        if len(steps) > cfg.max_running:  # later batches wait for earlier ones
-            decode *= len(steps) / cfg.max_running
-        pull = (cfg.kv_pull_latency_s[1] if pull_s is None else pull_s) if (self._held or any(
-            r.request.remote_decode for r in (*self._running.values(), *self._waiting))) else 0.0
-        return decode + pull + (cfg.kv_recv_latency_s if self._awaiting_kv else 0.0)
+        pull = cfg.kv_pull_latency_s[1] if pull_s is None else pull_s
+        # (end step, ends with a KV pull) per running request; the step loop is at step 0
+        ends = [(live.request.max_tokens - live.generated, live.request.remote_decode)
+                for live in self._running.values()]
+        heapq.heapify(ends)
+        waiting = collections.deque(live.request for live in self._waiting)
+        step, elapsed, done_s = 0, 0.0, 0.0
+        while ends or waiting:
+            prefill = 0
+            while waiting and len(ends) < cfg.max_running:  # admitted at this step's start
+                request = waiting.popleft()
+                heapq.heappush(ends, (step + request.max_tokens, request.remote_decode))
+                prefill += request.prompt_tokens
+            next_end = ends[0][0]
+            elapsed += (next_end - step) * cfg.decode_step_s + prefill * cfg.prefill_s_per_token
+            step = next_end
+            while ends and ends[0][0] == step:
+                _, pulled = heapq.heappop(ends)
+                done_s = max(done_s, elapsed + (pull if pulled else 0.0))
+        if self._held:
+            done_s = max(done_s, pull)  # a pull already under way takes at most that
+        if self._awaiting_kv:
+            done_s += cfg.kv_recv_latency_s  # then they queue like the rest
+        return done_s
 
     def drain_eta(self) -> DrainEta:
-        """The time to quiescence in wall seconds: with the mean KV pull latency, and
-        bounded by the slowest pull plus one decode step."""
+        """The time to quiescence in wall seconds: the step loop's schedule with the mean
+        KV pull latency; bounded by the slowest pull, with a quarter and two steps of
+        margin for the event loop's own time per step. No bound while a decoder that
+        never pulls holds KV here (nothing would end its wait but the shutdown)."""
         cfg = self.config
-        mean_pull = sum(cfg.kv_pull_latency_s) / 2
-        return DrainEta(self.estimated_drain_s(mean_pull) * cfg.time_scale,
-                        (self.estimated_drain_s() + cfg.decode_step_s) * cfg.time_scale,
-                        "remaining tokens x decode step (simulated)")
+        expected = self.estimated_drain_s(sum(cfg.kv_pull_latency_s) / 2) * cfg.time_scale
+        lives = (*self._running.values(), *self._waiting, *self._held.values())
+        if any(live.request.never_pulled and live.request.remote_decode for live in lives):
+            return DrainEta(expected, None, SIM_ETA_BASIS,
+                            "KV held for a decoder that never pulls it")
+        upper = (self.estimated_drain_s() * 1.25 + 2 * cfg.decode_step_s) * cfg.time_scale
+        return DrainEta(expected, max(upper, expected), SIM_ETA_BASIS)
 
     # -- requests -----------------------------------------------------------------
 

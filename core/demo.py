@@ -354,8 +354,9 @@ class _Replay:
 
     async def _ticker(self) -> None:
         total = self.config.phase1_s + self.config.phase2_s
-        result, victim = self.result, self.victim
+        result = self.result
         while True:
+            victim = self.victim  # chosen at the scale-down (lowest cost: maybe not worker-0)
             done = result.completed + result.failed
             self.show.status(f"  [{self.policy}] t={self.sim_now():5.1f}/{total:.0f}s  "
                              f"done {done}/{result.sent}  failed {result.failed}  "

@@ -11,12 +11,14 @@ already holds. The unit is **milliseconds of expected drain time**, so that work
 compare whatever their probe can tell:
 
 - the snapshot carries a drain ETA (:mod:`quiesce.eta`) with a point estimate: that
-  estimate — ``source`` is ``eta``;
-- else the work is counted (the snapshot is known): the larger of its total and the
-  admitted requests (a request admitted but not yet seen by the engine counts too), each
-  at :data:`REQUEST_COST_MS` — ``source`` is ``pending_work``;
-- else (unknown, not read yet) the admitted requests alone at :data:`REQUEST_COST_MS`,
-  a lower bound, labelled ``source="inflight"`` with the reason.
+  estimate, plus :data:`REQUEST_COST_MS` for each admitted request the engine has not
+  counted yet — ``source`` is ``eta``;
+- else the work is counted: the larger of the engine's count (the known counters, when
+  some are unknown but the snapshot is busy anyway) and the admitted requests, each at
+  :data:`REQUEST_COST_MS` — ``source`` is ``pending_work``;
+- else (the snapshot is UNKNOWN, or not read yet): :data:`INT32_MAX`, the highest cost
+  there is — ``source`` is ``unknown``. Fail closed: a worker whose work cannot be read
+  may be holding KV a decoder still pulls, so it is never the preferred victim.
 
 :data:`REQUEST_COST_MS` is deliberately long (a minute a request): a worker whose work
 cannot be timed is never preferred over one whose estimate says it is nearly done, and
@@ -61,15 +63,19 @@ def _requests(count: int, source: str, reason: str) -> DrainCost:
 def drain_cost(pending: PendingWork | None, inflight: int) -> DrainCost:
     """The drain cost from the latest snapshot and the admitted requests in flight."""
     if pending is None:
-        return _requests(inflight, "inflight", "the engine has not been read yet")
-    eta = pending.eta
-    if eta is not None and eta.expected_s is not None and pending.verdict is not Verdict.UNKNOWN:
-        return DrainCost(min(math.ceil(eta.expected_s * 1000), INT32_MAX), "eta")
-    total = pending.total
-    if pending.verdict is Verdict.UNKNOWN or total is None:
+        return DrainCost(INT32_MAX, "unknown", "the engine has not been read yet")
+    if pending.verdict is Verdict.UNKNOWN:
         why = "; ".join(pending.reasons) or "the engine's pending work is unknown"
-        return _requests(inflight, "inflight", why)
+        return DrainCost(INT32_MAX, "unknown", why)
+    counted = sum(v for v in pending.counts().values() if isinstance(v, int))
+    unseen = max(0, inflight - counted)  # admitted, not yet in the engine's counts
+    eta = pending.eta
+    if eta is not None and eta.expected_s is not None:
+        value = math.ceil(eta.expected_s * 1000) + unseen * REQUEST_COST_MS
+        return DrainCost(min(value, INT32_MAX), "eta")
     why = (f"no ETA: {eta.reason}" if eta is not None else
            f"{pending.source} gives no drain ETA")
-    return _requests(max(total, inflight), "pending_work",
+    if pending.total is None:
+        why += "; some counters are unknown, the known ones counted"
+    return _requests(max(counted, inflight), "pending_work",
                      f"{why}; {REQUEST_COST_MS // 1000} s counted per request")

@@ -44,7 +44,8 @@ quiesce_drain_eta_seconds         gauge     bound   scrape that snapshot's drain
                                                            or not estimated by the probe
 quiesce_drain_cost                gauge             scrape the drain cost of that snapshot
                                                            (:mod:`quiesce.drain_cost`), ms: its
-                                                           ETA, else a minute per request
+                                                           ETA, else a minute per request;
+                                                           2^31-1 while the work is unknown
 quiesce_drain_duration_seconds    histogram outcome event  a drain run's elapsed_s, observed on
                                                            drain_finished
 quiesce_drain_outcomes_total      counter   outcome event  drain runs ended (drain_finished), by
@@ -153,7 +154,8 @@ class _ScrapeCollector:
             "quiesce_pending_work_age_seconds": "Seconds since the latest probe reading "
                                                 "(+Inf before the first)",
             "quiesce_drain_cost": "What removing this worker now would cost, in milliseconds: "
-                                  "the drain ETA, else a minute per request outstanding",
+                                  "the drain ETA, else a minute per request outstanding; "
+                                  "2^31-1 while its work is unknown",
         }
         if not with_samples:
             yield state

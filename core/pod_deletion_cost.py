@@ -29,8 +29,8 @@ doubling interval up to ``max_backoff_s``; it never raises into the worker, neve
 blocks serving or draining. The publisher stops when the worker's shutdown begins:
 the pod is being deleted, the annotation no longer matters.
 
-Needs the RBAC in ``deploy/kubernetes/worker.yaml`` (``get`` and ``patch`` on pods in
-the worker's namespace). Each PATCH re-reads the token file (projected service
+Needs the RBAC in ``deploy/kubernetes/worker.yaml`` (``patch`` on pods in the worker's
+namespace). Each PATCH re-reads the token file (projected service
 account tokens rotate).
 """
 
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import httpx
 
-from quiesce.budget import Clock, check_seconds
+from quiesce.budget import check_seconds
 from quiesce.drain_cost import DrainCost
 from quiesce.errors import ConfigError
 from quiesce.lifecycle import Lifecycle
@@ -139,13 +139,12 @@ class DeletionCostPublisher:
     """Keeps ``pod-deletion-cost`` on the worker's pod at its drain cost (fails soft)."""
 
     def __init__(self, lifecycle: Lifecycle, pod: PodIdentity,
-                 policy: PublishPolicy | None = None, *, transport: Transport = _client,
-                 clock: Clock = time.monotonic) -> None:
+                 policy: PublishPolicy | None = None, *,
+                 transport: Transport = _client) -> None:
         self.lifecycle = lifecycle
         self.pod = pod
         self.policy = policy or PublishPolicy()
         self._transport = transport
-        self._clock = clock
         self.cost: DrainCost | None = None
         self.published: int | None = None
         self.published_at: float | None = None

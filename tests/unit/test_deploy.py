@@ -60,7 +60,7 @@ def test_the_pod_may_patch_its_own_deletion_cost() -> None:
     assert {"kind": "ServiceAccount", "name": account} in binding["subjects"]
     assert binding["roleRef"]["name"] == by_kind["Role"]["metadata"]["name"]
     (rule,) = by_kind["Role"]["rules"]
-    assert rule["resources"] == ["pods"] and "patch" in rule["verbs"]
+    assert rule["resources"] == ["pods"] and rule["verbs"] == ["patch"]  # nothing more
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"

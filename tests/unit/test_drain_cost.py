@@ -39,19 +39,32 @@ def test_a_worker_that_cannot_be_timed_is_never_cheaper_than_one_nearly_done() -
 
 def test_admitted_requests_the_engine_has_not_seen_count_too() -> None:
     assert drain_cost(snapshot(running=1), inflight=4).value == 4 * REQUEST_COST_MS
+    timed = drain_cost(snapshot(DrainEta(2.0, 3.0, "test"), running=1), inflight=3)
+    assert timed.value == 2000 + 2 * REQUEST_COST_MS
 
 
-def test_unknown_work_falls_back_to_the_admitted_requests_and_says_why() -> None:
+def test_unreadable_work_is_never_the_preferred_victim() -> None:
     unknown = PendingWork.unknown(Role.PREFILL, "test", "EngineCore did not answer in 0.5 s")
-    cost = drain_cost(unknown, inflight=2)
-    assert (cost.value, cost.source) == (2 * REQUEST_COST_MS, "inflight")
+    cost = drain_cost(unknown, inflight=0)
+    assert (cost.value, cost.source) == (INT32_MAX, "unknown")
     assert cost.reason is not None and cost.reason.startswith("EngineCore did not answer")
+    unread = drain_cost(None, inflight=0)
+    assert (unread.value, unread.source, unread.reason) == (
+        INT32_MAX, "unknown", "the engine has not been read yet")
+    # an ETA does not make unknown work cheap
     partly = PendingWork(Role.PREFILL, "test", waiting=0, running=0, kv_sends_held=UNKNOWN,
                          kv_recvs_awaited=0, eta=DrainEta(1.0, 2.0, "test"))
-    assert drain_cost(partly, inflight=0).source == "inflight"  # an ETA of unknown work
-    first = drain_cost(None, inflight=0)
-    assert (first.value, first.source, first.reason) == (0, "inflight",
-                                                         "the engine has not been read yet")
+    assert drain_cost(partly, inflight=0).value == INT32_MAX
+
+
+def test_busy_with_some_counters_unknown_counts_the_known_work() -> None:
+    # a prefill worker holding 7 KV sends, one counter its role does not need unknown:
+    # busy, and as costly as the 7 it is known to hold (never 0)
+    busy = PendingWork(Role.PREFILL, "test", waiting=0, running=0, kv_sends_held=7,
+                       kv_recvs_awaited=UNKNOWN)
+    cost = drain_cost(busy, inflight=0)
+    assert (cost.value, cost.source) == (7 * REQUEST_COST_MS, "pending_work")
+    assert "some counters are unknown" in str(cost.reason)
 
 
 def test_the_cost_fits_kubernetes_int32() -> None:
@@ -74,7 +87,7 @@ async def test_status_shows_the_cost() -> None:
                           discovery=InMemoryDiscovery("w0"))
     admission = lifecycle.gate.admit("r1")
     assert lifecycle.status().to_dict()["drain_cost"] == {
-        "value": REQUEST_COST_MS, "unit": "ms", "source": "inflight",
+        "value": INT32_MAX, "unit": "ms", "source": "unknown",
         "reason": "the engine has not been read yet"}
     status = (await lifecycle.read_status()).to_dict()
     assert status["drain_cost"] == {"value": 750, "unit": "ms", "source": "eta",

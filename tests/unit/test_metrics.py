@@ -33,7 +33,7 @@ from quiesce import (
 )
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
 from quiesce.admission import Outcome
-from quiesce.drain_cost import REQUEST_COST_MS
+from quiesce.drain_cost import INT32_MAX, REQUEST_COST_MS
 from quiesce.eta import DrainEta
 from quiesce.lifecycle import DrainRun, EventKind, Lifecycle, LifecycleEvent, State
 from quiesce.metrics import DRAIN_BUCKETS_S, WorkerMetrics
@@ -381,8 +381,8 @@ async def test_unknown_counters_are_nan_and_not_known() -> None:
     await lifecycle.read_status()
     samples = scrape(metrics)
     work = pending(samples)
-    # unknown engine work: the cost falls back to the admitted requests (a lower bound)
-    assert value(samples, "quiesce_drain_cost") == 2 * REQUEST_COST_MS
+    # unknown engine work: never the preferred victim
+    assert value(samples, "quiesce_drain_cost") == INT32_MAX
     for admission in admitted:
         admission.finish(Outcome.COMPLETED)
     assert set(work) == {"waiting", "running", "kv_sends_held", "kv_recvs_awaited", "grammar",
