@@ -1,7 +1,8 @@
 # Every target sets up what it needs on a fresh machine, then runs.
 #   make demo   - the field report's scale-down, fixed grace vs quiesce
 #   make test   - lint, strict type check, and every test that needs no GPU, including
-#                 the real vLLM engine on the CPU (in its own virtual environment)
+#                 the real vLLM engine on the CPU and SGLang's real scheduler code (each in
+#                 its own virtual environment)
 #   make bench  - benchmarks; JSON results in bench/results/
 PYTHON ?= python3
 VENV   := .venv
@@ -9,12 +10,22 @@ BIN    := $(VENV)/bin
 # vLLM's CPU build pins its own torch: it gets a virtual environment of its own.
 VLLM_VENV := .venv-vllm
 VLLM_BIN  := $(VLLM_VENV)/bin
+# SGLang's wheel pins a CUDA torch: its contract tests get a slim CPU environment of their own.
+SGLANG_VENV := .venv-sglang
+SGLANG_BIN  := $(SGLANG_VENV)/bin
+SGLANG_PYTEST := $(SGLANG_BIN)/pytest -W ignore::UserWarning -W ignore::DeprecationWarning
+# NVIDIA Dynamo's runtime pins pydantic<=2.13.5: its discovery tests get their own too
+# (--noconftest: tests/integration/conftest.py needs the server stack, which it lacks).
+DYNAMO_VENV := .venv-dynamo
+DYNAMO_BIN  := $(DYNAMO_VENV)/bin
+DYNAMO_PYTEST := DYN_LOG=warn $(DYNAMO_BIN)/pytest --noconftest
 
 # The editable install is strict (a link tree under build/), so a new module needs a
 # reinstall; the list of source files is part of the install stamp.
 SOURCES := $(sort $(wildcard core/*.py core/*/*.py adapters/*.py adapters/*/*.py))
 
-.PHONY: all demo test lint typecheck unit integration test-vllm bench clean FORCE
+.PHONY: all demo test lint typecheck unit integration test-vllm test-sglang test-dynamo etcd \
+	bench clean FORCE
 all: test
 
 $(VENV)/.sources: FORCE
@@ -31,6 +42,17 @@ $(VENV)/.installed: pyproject.toml $(VENV)/.sources
 $(VLLM_VENV)/.installed: ci/setup_vllm_cpu.sh pyproject.toml $(VENV)/.sources
 	VLLM_VENV=$(VLLM_VENV) bash ci/setup_vllm_cpu.sh
 
+$(SGLANG_VENV)/.installed: ci/setup_sglang_cpu.sh pyproject.toml $(VENV)/.sources
+	SGLANG_VENV=$(SGLANG_VENV) bash ci/setup_sglang_cpu.sh
+
+$(DYNAMO_VENV)/.installed: ci/setup_dynamo.sh pyproject.toml $(VENV)/.sources
+	DYNAMO_VENV=$(DYNAMO_VENV) bash ci/setup_dynamo.sh
+
+# A real etcd server (Debian's etcd-server) for the etcd discovery tests, which start
+# their own on loopback with a temporary data directory.
+etcd:
+	bash ci/setup_etcd.sh
+
 demo: $(VENV)/.installed
 	$(BIN)/quiesce demo
 
@@ -44,19 +66,31 @@ typecheck: $(VENV)/.installed
 unit: $(VENV)/.installed
 	$(BIN)/pytest tests/unit
 
-integration: $(VENV)/.installed
-	$(BIN)/pytest tests/integration --ignore=tests/integration/vllm
+integration: $(VENV)/.installed etcd
+	$(BIN)/pytest tests/integration --ignore=tests/integration/vllm \
+		--ignore=tests/integration/sglang
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_BIN)/pytest tests/integration/vllm
 
-test: lint typecheck $(VENV)/.installed $(VLLM_VENV)/.installed
-	$(BIN)/pytest --ignore=tests/integration/vllm
-	$(VLLM_BIN)/pytest tests/integration/vllm
+test-sglang: $(SGLANG_VENV)/.installed
+	$(SGLANG_PYTEST) tests/integration/sglang
 
-bench: $(VENV)/.installed $(VLLM_VENV)/.installed
+test-dynamo: $(DYNAMO_VENV)/.installed
+	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
+
+test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
+		$(DYNAMO_VENV)/.installed
+	$(BIN)/pytest --ignore=tests/integration/vllm --ignore=tests/integration/sglang
+	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
+	$(VLLM_BIN)/pytest tests/integration/vllm
+	$(SGLANG_PYTEST) tests/integration/sglang
+
+bench: etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
+		$(DYNAMO_VENV)/.installed
 	$(BIN)/python -m bench
-	$(VLLM_BIN)/python -m bench.vllm && $(VLLM_BIN)/python -m bench.shutdown
+	$(VLLM_BIN)/python -m bench.vllm && $(VLLM_BIN)/python -m bench.shutdown && $(VLLM_BIN)/python -m bench.eta
+	$(SGLANG_BIN)/python -m bench.sglang
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -10,13 +10,14 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from bench import admission, drain_lag, victim
+from bench import admission, discovery, drain_lag, victim
 from bench.results_format import Result, run_and_report
 
 BENCHMARKS: dict[str, tuple[Callable[[], Result], Sequence[str]]] = {
     drain_lag.NAME: (drain_lag.run, drain_lag.HEADLINE),
     admission.NAME: (admission.run, admission.HEADLINE),
     victim.NAME: (victim.run, victim.HEADLINE),
+    discovery.NAME: (discovery.run, discovery.HEADLINE),
 }
 
 

@@ -29,12 +29,15 @@ TIME_SCALE = 0.05
 """Simulated seconds run 20x faster than real ones; the decode step stays >= 1 ms wall."""
 PHASE1_S = 20.0
 SCALE_DOWN_WINDOW_S = (4.0, 14.0)
+SHUTDOWN_BUDGET_S = 600.0
+"""Long enough that no drain is forced: compressed 20x, a busy machine (another
+process's load) stretches simulated time, and a forced drain would measure the budget."""
 
 
 def _config(seed: int) -> DemoConfig:
     at = random.Random(seed).uniform(*SCALE_DOWN_WINDOW_S)
     return DemoConfig(seed=seed, time_scale=TIME_SCALE, phase1_s=PHASE1_S, phase2_s=0.0,
-                      phase2_rps=0.0, scale_down_at_s=at)
+                      phase2_rps=0.0, scale_down_at_s=at, shutdown_budget_s=SHUTDOWN_BUDGET_S)
 
 
 async def _pairs(count: int) -> list[tuple[PolicyResult, PolicyResult]]:

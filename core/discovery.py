@@ -7,6 +7,12 @@ An implementation raises on a real failure; the lifecycle records it.
 
 Unregistering is not a barrier: routers learn about it later. That is why the drain
 keeps admitting through a short router grace after it (see :mod:`quiesce.lifecycle`).
+
+A remote backend (etcd, Dynamo) can also *not know*: a call that ran out of retries may
+or may not have reached the store. Such a backend keeps ``registered`` True (fail
+closed: routers may still list the worker) and additionally implements
+:class:`ReportsRegistrationError`; :func:`registration_state` folds both into
+``(registered or None for unknown, error)`` for status displays.
 """
 
 from __future__ import annotations
@@ -23,6 +29,27 @@ class Discovery(Protocol):
     async def register(self) -> None: ...
 
     async def unregister(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsRegistrationError(Protocol):
+    """Optional extension of :class:`Discovery`: why the registration state is unknown."""
+
+    @property
+    def registration_error(self) -> str | None:
+        """``None`` while the backend knows its state; else the last error, and the state
+        is unknown (``registered`` then stays True: the worker may still be listed)."""
+        ...
+
+
+def registration_state(discovery: Discovery) -> tuple[bool | None, str | None]:
+    """``(registered, error)``; ``registered`` is ``None`` (unknown) when the backend
+    reports an error. Never raises; a backend without the extension always knows."""
+    error = (discovery.registration_error
+             if isinstance(discovery, ReportsRegistrationError) else None)
+    if error is not None:
+        return None, error
+    return discovery.registered, None
 
 
 Watcher = Callable[[str, bool], None]

@@ -43,7 +43,7 @@ import time
 
 from quiesce.admission import AdmissionGate, OutcomeCounts
 from quiesce.budget import Clock, Deadline, check_seconds
-from quiesce.discovery import Discovery
+from quiesce.discovery import Discovery, registration_state
 from quiesce.drain import (
     DrainConfig,
     DrainReport,
@@ -154,12 +154,14 @@ class Lifecycle:
             "ended_since_drain": (self.outcomes_since(run).to_dict()
                                   if run is not None else None),
         }
+        registered, discovery_error = registration_state(self.discovery)
         return Status(
             state=self._state,
             generation=self._generation,
             inflight_requests=self.gate.inflight,
             accepting=self.gate.accepting,
-            discovery_registered=self.discovery.registered,
+            discovery_registered=registered,
+            discovery_error=discovery_error,
             since=self._since_wall,
             seconds_in_state=self._clock() - self._since,
             last_error=self._last_error,

@@ -85,7 +85,9 @@ class Status:
     generation: int
     inflight_requests: int
     accepting: bool
-    discovery_registered: bool
+    discovery_registered: bool | None
+    """``None``: the backend does not know (a call that ran out of retries may or may
+    not have reached the store; ``discovery_error`` says why)."""
     since: float
     seconds_in_state: float
     last_error: str | None
@@ -96,6 +98,7 @@ class Status:
     """``admitted_total``, ``refused_total`` (never admitted), ``ended_total`` (outcome
     counts since start) and ``ended_since_drain`` (since the current or last drain run
     began; ``None`` before the first)."""
+    discovery_error: str | None = None
     drain_cost: DrainCost | None = None
     """What removing this worker now would cost (:mod:`quiesce.drain_cost`)."""
 
@@ -106,6 +109,7 @@ class Status:
             "inflight_requests": self.inflight_requests,
             "accepting": self.accepting,
             "discovery_registered": self.discovery_registered,
+            "discovery_error": self.discovery_error,
             "since": self.since,
             "seconds_in_state": round(self.seconds_in_state, 6),
             "last_error": self.last_error,

@@ -23,7 +23,8 @@ quiesce_generation                gauge             scrape lifecycle generation 
 quiesce_inflight_requests         gauge             scrape admitted requests whose response has not
                                                            finished
 quiesce_accepting                 gauge             scrape 1 while the admission gate admits, else 0
-quiesce_discovery_registered      gauge             scrape 1 while registered with discovery, else 0
+quiesce_discovery_registered      gauge             scrape 1 while registered with discovery, 0 when
+                                                           not, NaN when the backend does not know
 quiesce_admitted_requests_total   counter           scrape the gate's admitted_total
 quiesce_rejected_admissions_total counter           scrape the gate's refused_total (WorkerDraining
                                                            raised; never admitted)
@@ -182,7 +183,8 @@ class _ScrapeCollector:
             "quiesce_generation": float(status.generation),
             "quiesce_inflight_requests": float(status.inflight_requests),
             "quiesce_accepting": float(status.accepting),
-            "quiesce_discovery_registered": float(status.discovery_registered),
+            "quiesce_discovery_registered": (math.nan if status.discovery_registered is None
+                                             else float(status.discovery_registered)),
             "quiesce_pending_work_known": known,
             "quiesce_pending_work_age_seconds": age,
             "quiesce_drain_cost": float(drain_cost(snapshot, status.inflight_requests).value),

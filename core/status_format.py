@@ -122,8 +122,9 @@ def format_status(status: dict[str, Any]) -> str:
     if eta_text is not None and isinstance(eta, dict):
         rows.append(("drain ETA", f"{eta_text} from {eta.get('basis', '?')}"))
     registered = status.get("discovery_registered")
-    rows.append(("registration", "registered with discovery" if registered
-                 else "not registered with discovery"))
+    rows.append(("registration", "registered with discovery" if registered is True else
+                 "not registered with discovery" if registered is False else
+                 f"unknown ({status.get('discovery_error') or 'the backend does not say'})"))
     rows.append(("last error", str(status.get("last_error") or "none")))
     requests = status.get("requests")
     if isinstance(requests, dict):

@@ -1,1 +1,30 @@
-"""SGLang adapter (in progress)."""
+"""SGLang adapter: a truthful probe for an SGLang worker, its engine control, and a plugin.
+
+Checked against SGLang 0.5.23 (contract tests on CPU against the real scheduler code,
+tests/integration/sglang). By process:
+
+- **main process** (holds ``Engine`` / ``TokenizerManager``):
+  :class:`SglangProbe` (:mod:`.probe`) ANDs the scheduler's own ``is_fully_idle()`` on
+  every DP rank (:mod:`.scheduler_rpc`, one bounded round trip) with ``rid_to_state`` and
+  the shared-memory load snapshot (:mod:`.frontend`, no round trip);
+  :class:`SglangEngineControl` (:mod:`.control`) aborts everything (forced path) and
+  shuts the engine down; :mod:`.signals` keeps SGLang's own SIGTERM drain out;
+  :mod:`.serving` runs the engine behind ``quiesce serve``.
+- **scheduler processes**: :mod:`.scheduler_state` reads the queues; :mod:`.plugin`
+  (entry point ``sglang.srt.plugins``) hooks it into ``get_internal_state`` and guards
+  every SGLang process's SIGTERM/SIGINT.
+
+Importing this package never imports SGLang; building a probe without SGLang installed
+raises :class:`~quiesce.errors.EngineNotInstalled` naming ``pip install 'quiesce[sglang]'``.
+"""
+
+from .control import SglangEngineControl
+from .probe import (
+    TESTED_VERSIONS,
+    SglangProbe,
+    installed_sglang_version,
+    probe_factory,
+)
+
+__all__ = ["TESTED_VERSIONS", "SglangEngineControl", "SglangProbe", "installed_sglang_version",
+           "probe_factory"]

@@ -26,8 +26,9 @@ Signals, per layout (the worker owns SIGTERM/SIGINT, :mod:`quiesce.signal_guard`
 - **Ray**: the workers are Ray actors, started by the raylet: a signal to the worker's
   process group does not reach them; ``pkill``/systemd does. The worker extension calls
   :func:`~quiesce.signal_guard.guard_process` in each of them, effective only where the
-  owner's ``QUIESCE_SIGNAL_OWNER`` reaches the actors (Ray ``runtime_env``) and the call
-  runs on the actor's main thread; the answer says whether it did.
+  owner's ``QUIESCE_SIGNAL_OWNER`` reaches the actors (2026 builds copy the owner's
+  environment into the actors' ``runtime_env``; older ones may need it passed) and the
+  call runs on the actor's main thread; the answer says whether it did.
 - **multi-process proxy (MPI)**: TensorRT-LLM spawns its MPI workers itself and offers
   no hook that runs quiesce's code in them, so they are not guarded. The worker's
   start-up report (:meth:`~quiesce.signal_guard.SignalOwnership.report`) lists them as

@@ -1,15 +1,25 @@
 """What the shutdown may ask of a TensorRT-LLM ``LLM`` besides reading it.
 
-- ``abort_all`` (the forced path, when the drain budget ran out) runs in the worker's
-  process on its event loop. It copies the executor's map of unfinished results
-  (``llm._executor._results``: the single-process worker's, the MPI proxy's or the Ray
-  executor's own) and aborts each with its ``abort()`` (TensorRT-LLM sends a cancel
-  request to the executor loop; this call does not wait for it), or with
-  ``llm._executor.abort_request(id)`` where a result has no ``abort``. Returns how many
-  were aborted. Context requests whose KV is still held for a generation worker have
-  finished their result already and are not counted: TensorRT-LLM frees their KV at its
-  own shutdown. A missing map raises (the shutdown reports the abort stage FAILED with
-  the reason); the copy is retried when the response thread changes the map meanwhile.
+- ``abort_all`` (the forced path, when the drain budget ran out) runs its work on a
+  thread (``asyncio.to_thread``), never on the event loop: under Ray each
+  ``GenerationResult.abort()`` or ``abort_request`` is a blocking Ray call. The caller's
+  deadline bounds it (the shutdown awaits it under ``asyncio.wait_for``); when the
+  caller stops waiting, the thread stops after the abort in progress. It copies the
+  executor's map of unfinished results (``llm._executor._results``: the single-process
+  worker's, the MPI proxy's or the Ray executor's own) and aborts each with its
+  ``abort()`` (TensorRT-LLM sends a cancel request to the executor loop; this call does
+  not wait for it), or with ``llm._executor.abort_request(id)`` where a result has no
+  ``abort``. A missing map raises (the shutdown reports the abort stage FAILED with the
+  reason); the copy is retried when the response thread changes the map meanwhile.
+- **Abandoned KV.** Context requests whose KV a decode worker may still be pulling have
+  finished their result already, so nothing above aborts them, and TensorRT-LLM's
+  ``shutdown`` frees their KV **without waiting for the pull**: the decoder may read
+  freed (reused) blocks and its request fails or produces garbage. This is unsafe, not
+  a clean release. ``abort_all`` therefore counts them (the in-transfer count of
+  :mod:`.executor_reader`: read in this process for the single-process worker, from
+  every rank for Ray; unknowable for the MPI proxy, which is logged), logs them at
+  WARNING as abandoned KV, and adds them to what it returns, so that the shutdown
+  report's ``aborted`` count includes them.
 - ``shutdown`` runs ``llm.shutdown()`` off the event loop (it joins the executor's
   threads or processes). The worker calls it only after the drain proved the engine
   idle, or after ``abort_all``: ``PyExecutor.shutdown`` finishes active and waiting
@@ -19,7 +29,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from typing import Any, Final
+
+from .executor_reader import read_py_executor
+from .ray_extension import METHOD
+
+log = logging.getLogger("quiesce.adapters.trtllm.control")
 
 COPY_ATTEMPTS: Final = 5
 
@@ -38,23 +55,67 @@ def _unfinished(executor: Any) -> list[tuple[Any, Any]]:
     raise RuntimeError(f"the results map kept changing; gave up after {COPY_ATTEMPTS} copies")
 
 
+def in_transfer(llm: Any) -> tuple[int | None, str]:
+    """How many context requests hold KV for a decoder now, and where that was read
+    (or why it could not be). Blocking (one Ray round trip under Ray)."""
+    executor = getattr(llm, "_executor", None)
+    kind = type(executor).__name__
+    readings: list[Any]
+    engine = getattr(executor, "engine", None)
+    if engine is not None:
+        readings = [read_py_executor(engine)]
+    elif kind == "RayExecutor":
+        try:
+            readings = list(llm._collective_rpc(METHOD))
+        except Exception as exc:
+            return None, f"the Ray workers did not answer: {type(exc).__name__}: {exc}"
+    else:
+        return None, f"{kind} does not expose context transfers to this process"
+    counts = [r.get("ctx_in_transfer") if isinstance(r, dict) else None for r in readings]
+    if not counts or any(not isinstance(c, int) for c in counts):
+        return None, "the in-transfer count was unreadable"
+    return sum(counts), f"{len(counts)} executor(s)"  # type: ignore[arg-type]
+
+
 class TrtllmEngineControl:
     """:class:`~quiesce.engine.EngineControl` for a ``tensorrt_llm.LLM``."""
 
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
-    async def abort_all(self, reason: str) -> int:
+    def _abort_blocking(self, stop: threading.Event) -> tuple[int, int]:
         executor = self.llm._executor
         aborted = 0
         for request_id, result in _unfinished(executor):
+            if stop.is_set():  # the caller's deadline passed: leave the rest
+                break
             abort = getattr(result, "abort", None)
             if callable(abort):
                 abort()
             else:
                 executor.abort_request(request_id)
             aborted += 1
-        return aborted
+        held, where = in_transfer(self.llm)
+        if held is None:
+            log.warning("cannot count context requests still in KV transfer (%s): any such "
+                        "KV is freed at shutdown while a decoder may still pull it", where)
+            held = 0
+        elif held:
+            log.warning("abandoning KV of %d context request(s) still in transfer (%s): "
+                        "TensorRT-LLM's shutdown frees it without waiting for the "
+                        "decoder's pull; counted as aborted", held, where)
+        return aborted, held
+
+    async def abort_all(self, reason: str) -> int:
+        """Abort every unfinished request off the event loop; returns how many, plus the
+        context requests whose KV is abandoned in transfer (module docstring)."""
+        stop = threading.Event()
+        try:
+            aborted, held = await asyncio.to_thread(self._abort_blocking, stop)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
+        return aborted + held
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)

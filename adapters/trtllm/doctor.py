@@ -124,6 +124,8 @@ class _Sources:
                     self._parsed[relative] = _classes(ast.parse(text, str(path)))
                 except SyntaxError as exc:
                     self._parsed[relative] = f"does not parse ({exc.msg}, line {exc.lineno})"
+                except ValueError as exc:  # NUL bytes: Python 3.11 raises ValueError
+                    self._parsed[relative] = f"does not parse ({exc})"
         return self._parsed[relative]
 
     def find(self, member: Member) -> tuple[str | None, str | None, str]:
@@ -249,7 +251,7 @@ def source_version(root: Path) -> str | None:
     """``__version__`` from ``root/version.py`` (read with ast), or None."""
     try:
         tree = ast.parse((root / "version.py").read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return None
     for node in tree.body:
         for target, value in _targets(node):

@@ -9,6 +9,9 @@ data (a dict of ints, strings and lists) so that the answer crosses a Ray call a
 What is read, and why only this way (the executor loop thread mutates all of it while
 we read, and the probe must never change engine state):
 
+Read in flow order (request queue → waiting queue → active → in transfer), and a zero
+is accepted only when confirmed across an executor iteration (:class:`ZeroConfirmation`).
+
 - ``active_requests`` (a list): copied with one ``list()`` call, which is atomic under
   the GIL for a list, then counted. Attention-DP dummies (``is_attention_dp_dummy is
   True``) are padding, not work; a request without the flag counts as work (safe).
@@ -44,6 +47,8 @@ answer flags it (``idle_transfer_gap``) so that status can say why a drain waits
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -59,7 +64,7 @@ from .layouts import (
     WAITING_ON_REQUEST_QUEUE,
 )
 
-READING_VERSION: Final = 1
+READING_VERSION: Final = 2
 COUNTS: Final = ("running", "gen_awaiting_kv", "waiting", "queued", "ctx_in_transfer")
 IDLE_GAP_NOTE: Final = (
     "context transfers counted while the executor loop is idle: on TensorRT-LLM 1.2-era "
@@ -118,16 +123,57 @@ _CTX: Final = (
 )
 
 
+_ITERATION: Final[tuple[Callable[[Any], Any], ...]] = (
+    lambda e: e.iter_counter,  # PyExecutor (2026: incremented at the top of each loop pass)
+    lambda e: e.model_engine.iter_counter,  # older builds count on the model engine
+)
+
+
+def _iteration(executor: Any) -> int | None:
+    """The executor loop's iteration counter, or None where no known one is readable."""
+    for read in _ITERATION:
+        try:
+            value = read(executor)
+        except Exception:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _parked(executor: Any) -> bool:
+    """Whether a thread (the executor loop) is blocked in the request queue's ``get()``:
+    ``len(request_queue.not_empty._waiters)`` of the stdlib ``queue.Queue``. False where
+    it cannot be told (fail closed)."""
+    try:
+        waiters = executor.executor_request_queue.request_queue.not_empty._waiters
+        return len(waiters) > 0
+    except Exception:
+        return False
+
+
 def read_py_executor(executor: Any) -> dict[str, Any]:
     """Pending work of one ``PyExecutor`` as plain data. Never raises.
 
+    Read in the order a request flows (request queue → waiting queue → active →
+    in transfer), so that a request moving forward between two reads is seen in the later
+    place; a request the executor holds between two places (taken from one, not yet put
+    in the next) or a list it rebuilds (``clear()`` then ``extend()``) can still give a
+    transient zero, which is why a zero must be confirmed (:class:`ZeroConfirmation`).
+
     Keys: ``version``; the counts in :data:`COUNTS` (an int, or None when unreadable);
     ``attention_dp_dummies``; ``layout`` (what -> layout label); ``errors`` (list of str);
-    ``is_shutdown`` (bool or None); ``idle_transfer_gap`` (bool).
+    ``is_shutdown`` (bool or None); ``idle_transfer_gap`` (bool); ``iter_before`` and
+    ``iter_after`` (the iteration counter around the reading, or None); ``parked`` (the
+    loop was blocked on an empty request queue after the reading, with the counter
+    unchanged since before it).
     """
     errors: list[str] = []
     layout: dict[str, str] = {}
     out: dict[str, Any] = {"version": READING_VERSION, "layout": layout, "errors": errors}
+    out["iter_before"] = _iteration(executor)
+    out["queued"] = _first(executor, _QUEUED, "queued", errors, layout)
+    out["waiting"] = _first(executor, _WAITING, "waiting", errors, layout)
     try:
         active = list(executor.active_requests)
     except Exception as exc:
@@ -142,15 +188,105 @@ def read_py_executor(executor: Any) -> dict[str, Any]:
                 awaiting += 1
         out.update(running=len(active) - dummies - awaiting, gen_awaiting_kv=awaiting,
                    attention_dp_dummies=dummies)
-    out["waiting"] = _first(executor, _WAITING, "waiting", errors, layout)
-    out["queued"] = _first(executor, _QUEUED, "queued", errors, layout)
     out["ctx_in_transfer"] = _first(executor, _CTX, "ctx_in_transfer", errors, layout)
+    parked = _parked(executor)
+    out["iter_after"] = _iteration(executor)
+    out["parked"] = bool(parked and out["iter_before"] is not None
+                         and out["iter_before"] == out["iter_after"])
     shutdown = getattr(executor, "is_shutdown", None)
     out["is_shutdown"] = shutdown if isinstance(shutdown, bool) else None
     idle = (out["running"] == 0 and out["gen_awaiting_kv"] == 0 and out["waiting"] == 0
             and out["queued"] == 0)
     out["idle_transfer_gap"] = bool(idle and (out["ctx_in_transfer"] or 0) > 0)
     return out
+
+
+def all_zero(reading: dict[str, Any]) -> bool:
+    """Every count known and zero, and no error: a reading that claims idle."""
+    return not reading.get("errors") and all(reading.get(name) == 0 for name in COUNTS)
+
+
+class ZeroConfirmation:
+    """Accepts an all-zero reading only when it is confirmed (fail closed otherwise).
+
+    One instance per executor, kept across reads (the probe's, or the Ray worker's).
+    An all-zero reading is **confirmed** when
+
+    - an earlier all-zero reading ended before an executor iteration began that had begun
+      before this reading (``previous.iter_after < current.iter_before``): the loop went
+      round between the two, so a request it held between two places at the first
+      reading was put down before the second; or
+    - the loop was **parked** after this reading (blocked in the request queue's
+      ``get()``, the counter unchanged since before the reading): it held nothing in
+      hand during the reading and had nothing to schedule. This is how an idle loop that
+      blocks on its request queue (1.2-era) is confirmed without its counter moving.
+
+    Without a readable counter, a second all-zero reading taken after a short wait
+    (:data:`CONFIRM_WAIT_S`, during which the executor thread takes the GIL) confirms it:
+    a weaker guarantee, since it assumes the loop puts down what it holds within that
+    wait (true of the Python steps between two places; not if the loop is stuck there).
+    """
+
+    def __init__(self) -> None:
+        self._last_zero_end: int | None = None
+
+    def check(self, reading: dict[str, Any], *, previous_without_counter: bool = False
+              ) -> str | None:
+        """None when ``reading`` is confirmed (or not all zero); else why it is not.
+        ``previous_without_counter``: an all-zero reading without a counter was taken just
+        before this one, after the wait (the weaker confirmation)."""
+        if not all_zero(reading):
+            self._last_zero_end = None
+            return None
+        before, after = reading.get("iter_before"), reading.get("iter_after")
+        if before is None or after is None:
+            if previous_without_counter:
+                return None
+            return ("an all-zero reading is not confirmed yet: no executor iteration "
+                    "counter is readable, a second reading must agree")
+        last, self._last_zero_end = self._last_zero_end, after
+        if reading.get("parked") is True:
+            return None
+        if last is not None and last < before:
+            return None
+        return ("an all-zero reading is not confirmed yet: the executor loop has not "
+                "gone round since the last all-zero reading (a request it holds between "
+                "two queues is in none of them)")
+
+
+CONFIRM_WAIT_S: Final = 0.002
+"""The awaited wait before a second reading where no iteration counter is readable."""
+
+
+def _second_reading(executor: Any, first: dict[str, Any], confirm: ZeroConfirmation
+                    ) -> dict[str, Any]:
+    second = read_py_executor(executor)
+    weak = first.get("iter_before") is None and second.get("iter_before") is None
+    second["unconfirmed"] = confirm.check(second, previous_without_counter=weak)
+    return second
+
+
+async def read_confirmed(executor: Any, confirm: ZeroConfirmation) -> dict[str, Any]:
+    """:func:`read_py_executor`, with ``unconfirmed`` set (None, or why a zero is not
+    confirmed). An unconfirmed zero is read once more after an awaited
+    :data:`CONFIRM_WAIT_S` (the event loop is never blocked); the cost is a few
+    microseconds, plus that wait only when the engine reads zero."""
+    first = read_py_executor(executor)
+    first["unconfirmed"] = confirm.check(first)
+    if first["unconfirmed"] is None:
+        return first
+    await asyncio.sleep(CONFIRM_WAIT_S)
+    return _second_reading(executor, first, confirm)
+
+
+def read_confirmed_blocking(executor: Any, confirm: ZeroConfirmation) -> dict[str, Any]:
+    """:func:`read_confirmed` for a thread that may block briefly (a Ray actor's)."""
+    first = read_py_executor(executor)
+    first["unconfirmed"] = confirm.check(first)
+    if first["unconfirmed"] is None:
+        return first
+    time.sleep(CONFIRM_WAIT_S)
+    return _second_reading(executor, first, confirm)
 
 
 def _malformed(reading: object) -> str | None:
@@ -169,6 +305,31 @@ def _malformed(reading: object) -> str | None:
     return None
 
 
+def _unconfirmed(readings: Sequence[dict[str, Any]]) -> str | None:
+    """Every rank reads zero: None when at least one (the leader, which alone takes
+    requests from the request queue) confirmed it across an iteration, else why not."""
+    reasons = [r.get("unconfirmed", "the reading says nothing of confirmation")
+               for r in readings]
+    return None if not all(reasons) else str(reasons[0])
+
+
+def _details(valid: Sequence[dict[str, Any]], ranks: int, errors: list[str]
+             ) -> dict[str, Detail]:
+    details: dict[str, Detail] = {"ranks": ranks}
+    for reading in valid:
+        for what, label in reading["layout"].items():
+            details.setdefault(f"layout.{what}", label)
+    dummies = sum(int(r.get("attention_dp_dummies") or 0) for r in valid)
+    if dummies:
+        details["attention_dp_dummies"] = dummies
+    if any(r.get("is_shutdown") is True for r in valid):
+        details["executor_shut_down"] = True
+        errors.append("the executor is shut down: its counts no longer change")
+    if any(r.get("idle_transfer_gap") for r in valid):
+        details["note"] = IDLE_GAP_NOTE
+    return details
+
+
 def to_pending_work(role: Role, source: str, readings: Sequence[object], *,
                     sum_ranks: bool = True) -> PendingWork:
     """One snapshot from the readings of every rank (one reading: one executor).
@@ -177,6 +338,8 @@ def to_pending_work(role: Role, source: str, readings: Sequence[object], *,
     otherwise (tensor/pipeline parallel ranks see the same requests) the largest count
     is taken. Either way every rank must be idle for the snapshot to be. A malformed
     reading or any rank's error makes the snapshot UNKNOWN unless a rank shows work.
+    An all-zero snapshot also needs one rank's zero confirmed (its ``unconfirmed`` is
+    None, see :class:`ZeroConfirmation`); otherwise it is UNKNOWN with the reason.
     """
     if not readings:
         return PendingWork.unknown(role, source, "no executor answered")
@@ -198,18 +361,13 @@ def to_pending_work(role: Role, source: str, readings: Sequence[object], *,
             totals[name] = max(known) if known and max(known) > 0 else UNKNOWN
         else:
             totals[name] = sum(known) if sum_ranks else max(known, default=0)
-    details: dict[str, Detail] = {"ranks": len(readings)}
-    for reading in valid:
-        for what, label in reading["layout"].items():
-            details.setdefault(f"layout.{what}", label)
-    dummies = sum(int(r.get("attention_dp_dummies") or 0) for r in valid)
-    if dummies:
-        details["attention_dp_dummies"] = dummies
-    if any(r.get("is_shutdown") is True for r in valid):
-        details["executor_shut_down"] = True
-        errors.append("the executor is shut down: its counts no longer change")
-    if any(r.get("idle_transfer_gap") for r in valid):
-        details["note"] = IDLE_GAP_NOTE
+    details = _details(valid, len(readings), errors)
+    if not errors and len(valid) == len(readings) and all(totals[n] == 0 for n in COUNTS):
+        unconfirmed = _unconfirmed(valid)
+        if unconfirmed is None:
+            details["zero_confirmed"] = True
+        else:
+            errors.append(unconfirmed)
     return PendingWork(role=role, source=source, waiting=totals["waiting"],
                        running=totals["running"], kv_sends_held=totals["ctx_in_transfer"],
                        kv_recvs_awaited=totals["gen_awaiting_kv"],

@@ -7,20 +7,24 @@ Which probe :func:`probe_for_llm` builds depends on where TensorRT-LLM put the
   TensorRT-LLM when ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` (TP=1), as Dynamo and
   ``quiesce serve --engine trtllm`` run it. :class:`InProcessProbe` reads
   ``llm._executor.engine`` directly, on the event loop, in microseconds
-  (:mod:`.executor_reader`). Authoritative: active + waiting + request queue + context
-  requests in transfer. Missing attributes → UNKNOWN.
+  (:mod:`.executor_reader`), in flow order. Authoritative: request queue + waiting +
+  active + context requests in transfer; a zero counts only once confirmed across an
+  executor iteration (:class:`~.executor_reader.ZeroConfirmation`). Missing
+  attributes → UNKNOWN.
 - ``RayExecutor`` — the **Ray** orchestrator. :class:`RayProbe` runs the same reading in
   every Ray worker through :mod:`.ray_extension` (``llm._collective_rpc``, a prototype
-  API of TensorRT-LLM, run off the event loop) and ANDs the ranks; fewer answers than
-  ranks → UNKNOWN. Costs a Ray round trip.
+  API of TensorRT-LLM, run on a daemon thread of its own, at most one at a time) and
+  ANDs the ranks; fewer answers than ranks → UNKNOWN. Costs a Ray round trip.
 - ``GenerationExecutorProxy`` / ``GenerationExecutorRpcProxy`` — the **multi-process**
   default (MPI workers, even for TP=1). The owner cannot reach the ``PyExecutor``;
   :class:`ProxyStatsProbe` reads the proxy's unfinished results (``_results``, a ``len()``)
-  and the iteration statistics stream (``llm.get_stats_async``). A **weak** signal,
-  labelled so (``details["confidence"] = "low"``): statistics stop while the loop is idle,
-  are consumed by whoever reads them first, need ``enable_iter_perf_stats``, and never
-  count context requests whose KV is in transfer — so a **prefill** snapshot is always
-  UNKNOWN on this path.
+  and, only when that is zero, one record of the iteration statistics stream
+  (``llm.get_stats_async``). A **weak** signal, labelled so
+  (``details["confidence"] = "low"``): statistics stop while the loop is idle, are
+  consumed by whoever reads them first (so the probe takes as few as it can), need
+  ``enable_iter_perf_stats``, and never count context requests whose KV is in transfer
+  — so a **prefill** snapshot is always UNKNOWN on this path, and so is any snapshot
+  with a KV connector configured (its saves are invisible here).
 - anything else (another executor class, no ``_executor``): :class:`UnknownLayoutProbe`,
   always UNKNOWN with the reason.
 
@@ -33,33 +37,43 @@ UNKNOWN):
 
 - ``InProcessProbe.pending_work()`` — runs in the worker's process, on its event loop;
   reads ``llm._executor.engine`` there (the executor loop is a thread of the same
-  process). Cost: a few microseconds, no lock, no round trip. Missing: ``_executor``,
+  process). Cost: a few microseconds, no lock, no round trip; when it reads zero and the
+  zero is not confirmed yet, one awaited wait of
+  :data:`~.executor_reader.CONFIRM_WAIT_S` (2 ms) and a second reading; still
+  unconfirmed → UNKNOWN until a later read confirms it. Missing: ``_executor``,
   ``engine`` (None after shutdown) or any counted attribute → UNKNOWN naming it.
 - ``RayProbe.pending_work()`` — runs in the worker's process; the blocking
-  ``llm._collective_rpc(METHOD)`` goes to a thread, and the reading itself runs in every
-  Ray worker process (:mod:`.ray_extension`). Cost: one Ray round trip (milliseconds).
+  ``llm._collective_rpc(METHOD)`` goes to a daemon thread of the probe's own (never the
+  default executor, which ``shutdown`` needs), with at most one call outstanding: while
+  one hangs, every read answers UNKNOWN at once saying so, and nothing waits on that
+  thread. The reading itself runs in every Ray worker process (:mod:`.ray_extension`).
+  Cost: one Ray round trip (milliseconds).
   Missing: the extension (the RPC fails; the reason says to pass
   ``ray_worker_extension_cls``), the world size, or any rank's answer → UNKNOWN.
 - ``ProxyStatsProbe.pending_work()`` — runs in the worker's process; reads the proxy's
-  ``_results`` (a ``len()``) and drains the statistics queue that TensorRT-LLM's proxy
-  fills from the MPI worker (each wait bounded by ``stats_poll_s``). Cost: up to
-  ``stats_poll_s`` when no statistic is new. Missing: ``_results`` → UNKNOWN; no new
-  statistic → the results count alone (the loop emits none while idle); always UNKNOWN
-  for prefill.
+  ``_results`` (a ``len()``) and, only when that is zero, takes at most
+  ``stats_per_read`` (default 1) records of the statistics queue that TensorRT-LLM's
+  proxy fills from the MPI worker (each wait bounded by ``stats_poll_s``). Cost: up to
+  ``stats_poll_s`` when no statistic is new. Missing: ``_results`` or ``llm.args`` →
+  UNKNOWN; no new statistic → the results count alone (the loop emits none while idle);
+  always UNKNOWN for prefill and with a KV connector (``kv_connector_config``).
 - ``UnknownLayoutProbe.pending_work()`` — no read at all: UNKNOWN with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
+import threading
+import time
 from typing import Any, Final
 
 from quiesce.errors import ConfigError, EngineNotInstalled
 from quiesce.probe import UNKNOWN, Count, PendingWork, Probe, Role
 
-from .executor_reader import read_py_executor, to_pending_work
+from .executor_reader import ZeroConfirmation, read_confirmed, to_pending_work
 from .ray_extension import EXTENSION, METHOD
 
 DISTRIBUTION: Final = "tensorrt_llm"
@@ -70,7 +84,7 @@ IN_PROCESS_EXECUTORS: Final = frozenset({"GenerationExecutorWorker"})
 RAY_EXECUTORS: Final = frozenset({"RayExecutor"})
 PROXY_EXECUTORS: Final = frozenset({"GenerationExecutorProxy", "GenerationExecutorRpcProxy"})
 MAX_STATS_PER_READ: Final = 256
-"""Iteration statistics drained per proxy read (the newest one counts)."""
+"""The most iteration statistics one proxy read may take (``stats_per_read``)."""
 
 
 def installed_trtllm_version() -> str | None:
@@ -90,6 +104,8 @@ class InProcessProbe(Probe):
         super().__init__(role, IN_PROCESS_SOURCE)
         self.llm = llm
         self._executor = executor
+        self._confirm = ZeroConfirmation()
+        self._confirming: int | None = None  # id() of the executor the state belongs to
 
     def _py_executor(self) -> Any:
         if self._executor is not None:
@@ -106,7 +122,10 @@ class InProcessProbe(Probe):
             return PendingWork.unknown(self.role, self.source,
                                        f"cannot reach the PyExecutor (llm._executor.engine): "
                                        f"{type(exc).__name__}: {exc}")
-        return to_pending_work(self.role, self.source, [read_py_executor(executor)])
+        if id(executor) != self._confirming:
+            self._confirm, self._confirming = ZeroConfirmation(), id(executor)
+        reading = await read_confirmed(executor, self._confirm)
+        return to_pending_work(self.role, self.source, [reading])
 
 
 def _world_size(llm: Any) -> int | None:
@@ -137,14 +156,54 @@ class RayProbe(Probe):
             raise ConfigError("ranks", f"must be a positive int, got {ranks!r}")
         self.llm = llm
         self.ranks = ranks
+        self._reading_since: float | None = None
+        """When the read now outstanding started (None: none is)."""
+
+    def _start_read(self) -> asyncio.Future[Any]:
+        """Run the blocking ``llm._collective_rpc(METHOD)`` on a thread of its own (a
+        daemon: a hung Ray call never holds up the default executor, the worker's
+        shutdown or the interpreter's exit); the returned future settles on the loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def settle(answer: Any, error: BaseException | None) -> None:
+            if future.done():  # the caller stopped waiting (observe's timeout)
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(answer)
+
+        def run() -> None:
+            answer: Any = None
+            error: BaseException | None = None
+            try:
+                answer = self.llm._collective_rpc(METHOD)
+            except BaseException as exc:  # handed to the loop, never lost on this thread
+                error = exc
+            finally:
+                self._reading_since = None
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits now
+                loop.call_soon_threadsafe(settle, answer, error)
+
+        self._reading_since = time.monotonic()
+        threading.Thread(target=run, name="quiesce-trtllm-ray-read", daemon=True).start()
+        return future
 
     async def pending_work(self) -> PendingWork:
         expected = self.ranks or _world_size(self.llm)
         if expected is None:
             return PendingWork.unknown(self.role, self.source, "cannot read how many Ray "
                                        "ranks there are (llm.args.parallel_config)")
-        try:  # a blocking Ray call: off the loop; observe() bounds how long we wait
-            answers = await asyncio.to_thread(self.llm._collective_rpc, METHOD)
+        since = self._reading_since
+        if since is not None:  # at most one read outstanding: a hung one is not stacked
+            return PendingWork.unknown(
+                self.role, self.source,
+                f"the previous Ray read ({METHOD}) has not returned after "
+                f"{time.monotonic() - since:.1f}s (Ray workers not answering); no other "
+                f"read is started while it is outstanding")
+        try:  # observe() bounds how long we wait; the read's thread is ours alone
+            answers = await self._start_read()
         except Exception as exc:
             hint = (f" (was the LLM built with ray_worker_extension_cls={EXTENSION!r}?)"
                     if METHOD in str(exc) else "")
@@ -181,28 +240,43 @@ class ProxyStatsProbe(Probe):
 
     ``running`` is the proxy's unfinished results: every request this worker's executor
     holds (queued, waiting, active, awaiting KV) has one until its final response, so it
-    counts all of them; ``waiting`` and ``kv_recvs_awaited`` are counted in it. A newer
-    iteration statistic read in this call can only raise the counts. ``kv_sends_held`` is
-    unknowable here. ``stats_poll_s`` bounds each wait for one statistic.
+    counts all of them; ``waiting`` and ``kv_recvs_awaited`` are counted in it.
+    ``kv_sends_held`` is unknowable here.
+
+    The iteration statistics are a queue shared with every other reader of
+    ``get_stats_async`` (Dynamo's metrics, for one): each record read here is taken from
+    them. So they are read only when they could change the verdict, i.e. when the
+    proxy holds no unfinished result, and at most ``stats_per_read`` records per read
+    (default 1, the newest available; 0 never reads them), each wait bounded by
+    ``stats_poll_s``. A statistic read can only raise the counts.
+
+    With a KV connector (``llm.args.kv_connector_config`` set), connector saves run after
+    a request's result finished and neither the results nor the statistics count them:
+    always UNKNOWN, with that reason (fail closed).
     """
 
     def __init__(self, llm: Any, role: Role | str = Role.AGGREGATED, *,
-                 stats_poll_s: float = 0.05) -> None:
+                 stats_poll_s: float = 0.05, stats_per_read: int = 1) -> None:
         super().__init__(role, PROXY_SOURCE)
         if stats_poll_s <= 0:
             raise ConfigError("stats_poll_s", f"must be positive, got {stats_poll_s!r}")
+        if isinstance(stats_per_read, bool) or not 0 <= stats_per_read <= MAX_STATS_PER_READ:
+            raise ConfigError("stats_per_read", f"must be in [0, {MAX_STATS_PER_READ}], "
+                                                f"got {stats_per_read!r}")
         self.llm = llm
         self.stats_poll_s = stats_poll_s
+        self.stats_per_read = stats_per_read
 
     async def _newest_stat(self) -> tuple[dict[str, Any] | None, str | None]:
-        """The newest statistic available now, and why none could be read (or None)."""
+        """The newest of up to ``stats_per_read`` statistics available now, and why none
+        could be read (or None)."""
         try:
             stream = self.llm.get_stats_async(timeout=self.stats_poll_s)
             iterator = stream.__aiter__()
         except Exception as exc:
             return None, f"get_stats_async failed: {type(exc).__name__}: {exc}"
         newest = None
-        for _ in range(MAX_STATS_PER_READ):
+        for _ in range(self.stats_per_read):
             try:
                 item = await asyncio.wait_for(iterator.__anext__(), self.stats_poll_s)
             except (StopAsyncIteration, asyncio.TimeoutError, TimeoutError):
@@ -212,6 +286,17 @@ class ProxyStatsProbe(Probe):
             newest = _stat_dict(item) or newest
         return newest, None
 
+    def _kv_connector(self) -> str | None:
+        """Why a configured KV connector makes this path blind, or None."""
+        args = getattr(self.llm, "args", None)
+        if args is None:
+            return "cannot read llm.args to tell whether a KV connector is configured"
+        if getattr(args, "kv_connector_config", None) is not None:
+            return ("a KV connector is configured (llm.args.kv_connector_config): its saves "
+                    "in flight outlive the requests' results and the iteration statistics "
+                    "do not count them, so this layout cannot tell when they are done")
+        return None
+
     async def pending_work(self) -> PendingWork:
         try:
             unfinished = len(self.llm._executor._results)
@@ -219,7 +304,9 @@ class ProxyStatsProbe(Probe):
             return PendingWork.unknown(self.role, self.source,
                                        f"cannot read the proxy's unfinished results "
                                        f"(llm._executor._results): {type(exc).__name__}: {exc}")
-        stat, problem = await self._newest_stat()
+        stat, problem = None, None
+        if unfinished == 0 and self.stats_per_read:  # only when it could change the verdict
+            stat, problem = await self._newest_stat()
         running: Count = unfinished
         waiting: Count = 0
         details: dict[str, str | int | bool] = {
@@ -232,6 +319,9 @@ class ProxyStatsProbe(Probe):
             waiting = queued if queued is not None else UNKNOWN
             details["stats_iter"] = str(stat.get("iter", "?"))
         errors: list[str] = [problem] if problem else []
+        connector = self._kv_connector()
+        if connector is not None:
+            errors.append(connector)
         if self.role is Role.PREFILL:
             errors.append("the multi-process (proxy) layout cannot see context requests "
                           "whose KV is in transfer: the iteration statistics do not count "

@@ -15,11 +15,19 @@ calls ``llm._collective_rpc(METHOD)`` and gets one answer per rank; the probe
 - Signals: on its first call it also runs :func:`quiesce.signal_guard.guard_process` in
   that worker, which wraps the worker's SIGTERM/SIGINT handlers while the quiesce owner
   drains. Ray starts its workers from the raylet, not from the quiesce worker, so they
-  neither share its process group (a group signal does not reach them) nor inherit its
-  environment: the guard acts only where ``QUIESCE_SIGNAL_OWNER`` is passed to them
-  (``runtime_env={"env_vars": ...}``), and only if Ray runs the call on the worker's
-  main thread. Otherwise it does nothing and says so in the answer
-  (``signal_guarded: false``).
+  do not share its process group (a group signal does not reach them). Their
+  environment is the owner's on TensorRT-LLM builds whose ``RayExecutor.create_workers``
+  copies ``os.environ`` into the actors' ``runtime_env`` ``env_vars`` (2026 source; it
+  leaves out node-local Ray variables), so ``QUIESCE_SIGNAL_OWNER`` reaches them there;
+  on builds that do not copy it, pass it yourself (``runtime_env={"env_vars": ...}``).
+  The guard also acts only if Ray runs the call on the worker's main thread. Otherwise
+  it does nothing and says so in the answer (``signal_guarded: false``).
+- Zero readings are confirmed across calls (:class:`~.executor_reader.ZeroConfirmation`,
+  one per engine in this process): a zero is reported unconfirmed (``unconfirmed`` set)
+  until the executor loop went round since an earlier zero, or was parked on its empty
+  request queue; where no iteration counter is readable, a second reading after
+  :data:`~.executor_reader.CONFIRM_WAIT_S` (a short sleep on the actor's thread)
+  confirms it.
 
 Imports nothing from TensorRT-LLM; the class must be importable in the Ray workers'
 environment (quiesce installed there).
@@ -31,13 +39,20 @@ from typing import Any, Final
 
 from quiesce.signal_guard import guard_process
 
-from .executor_reader import COUNTS, READING_VERSION, read_py_executor
+from .executor_reader import (
+    COUNTS,
+    READING_VERSION,
+    ZeroConfirmation,
+    read_confirmed_blocking,
+)
 
 METHOD: Final = "quiesce_pending_work"
 EXTENSION: Final = "quiesce.adapters.trtllm.ray_extension.QuiesceWorkerExtension"
 
 _guard: dict[str, bool] = {}
 """Whether this process's signal guard took (set on the first call)."""
+_confirmations: dict[int, ZeroConfirmation] = {}
+"""Zero confirmation per engine (``id()``) in this process."""
 
 
 class QuiesceWorkerExtension:
@@ -53,8 +68,13 @@ class QuiesceWorkerExtension:
             reading: dict[str, Any] = {
                 "version": READING_VERSION, "layout": {}, **dict.fromkeys(COUNTS),
                 "errors": ["this Ray worker holds no PyExecutor (self.engine is unset: "
-                           "not set up yet, or shut down)"]}
+                           "not set up yet, or shut down)"], "unconfirmed": "no reading"}
         else:
-            reading = read_py_executor(engine)
+            confirm = _confirmations.get(id(engine))
+            if confirm is None:
+                if len(_confirmations) >= 8:  # engines of the past (one per process in Ray)
+                    _confirmations.clear()
+                confirm = _confirmations[id(engine)] = ZeroConfirmation()
+            reading = read_confirmed_blocking(engine, confirm)
         reading["signal_guarded"] = _guard["guarded"]
         return reading

@@ -31,7 +31,11 @@ model's (TensorRT-LLM derives it); ``gpu_memory_fraction`` (the share of free GP
 the KV cache takes, ``kv_cache_config.free_gpu_memory_fraction``) is TensorRT-LLM's.
 
 Error mapping (the contract of :class:`~quiesce.openai_api.ServingEngine`): finish
-reason ``stop``/``length`` ends the stream normally; any other finish reason
+reason ``stop``/``length`` ends the stream normally, and so does ``not_finished`` on a
+context-only request (how TensorRT-LLM ends a prefill whose KV waits for the decode
+worker): it is reported as ``length`` (completed; the prefill produced the one token it
+was asked for) and carries the transfer parameters. ``not_finished`` on any other
+request, and any other finish reason
 (``cancelled``, ``timeout``), an error response (``RequestError``), a dead or shut-down
 executor, and a stream that fails part-way raise :class:`~quiesce.errors.RequestAborted`
 (lost); sampling parameters TensorRT-LLM refuses, ``max_tokens`` over the context
@@ -69,6 +73,10 @@ DISAGG_FIELDS: Final = ("request_type", "first_gen_tokens", "ctx_request_id", "d
                         "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint")
 OPAQUE_KEY: Final = "opaque_state_b64"
 REQUEST_TYPES: Final = ("context_only", "generation_only", "context_and_generation")
+CONTEXT_DONE: Final = "not_finished"
+"""The finish reason TensorRT-LLM gives a context-only request whose prefill is done
+(``GenerationResult._handle_sequence``: ``NOT_FINISHED`` for ``request_type
+"context_only"``); the decode worker finishes it."""
 _SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -286,11 +294,14 @@ class TrtllmServing:
     async def _deltas(self, prompt: Any, params: Any, disagg: dict[str, Any] | None,
                       request_id: str) -> AsyncIterator[Delta]:
         result = self._submit(prompt, params, disagg)
+        context_only = disagg is not None and disagg.get("request_type") == "context_only"
         text, tokens, finished = "", 0, False
         try:
             async for output in result:
                 completion = output.outputs[0]
                 reason = completion.finish_reason
+                if reason == CONTEXT_DONE and context_only:
+                    reason = "length"  # the prefill ended as asked (module docstring)
                 if reason is not None and reason not in FINISHED_BY_ENGINE:
                     finished = True  # the engine ended it: nothing left to abort
                     raise RequestAborted(f"request {request_id} ended by TensorRT-LLM "

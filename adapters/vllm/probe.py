@@ -30,6 +30,15 @@ Where each signal is read, what it costs, and what its absence means:
   error, a board that cannot be read consistently, or fewer answers than DP engines →
   UNKNOWN with the reason.
 
+**Drain ETA** (``PendingWork.eta``, informational: it never changes a verdict): each
+EngineCore's plugin estimates, after every step, how long its pending requests still
+take (remaining tokens x its timed step period; :mod:`.plugin`) and publishes it with the
+counts. The probe turns each engine's figures into a :class:`~quiesce.eta.DrainEta`
+(:func:`drain_eta`) and combines the DP engines (the slowest one). It is ``None`` where
+EngineCore only answers ``has_work``; unknown or unbounded, with the reason, where the
+plugin could not estimate (no step timed yet, vLLM drift) or where the bound depends on a
+remote reader (held KV without a hard lease, KV receives, push work). Idle: ``0 s``.
+
 Never drain on ``SchedulerStats`` or the Prometheus running/waiting gauges: they count
 0 running and 0 waiting while a finished request's KV blocks are still held for a remote
 decoder (verified on vLLM 0.32 with a holding connector), which is exactly the moment a
@@ -48,9 +57,10 @@ import importlib.metadata
 from typing import Any
 
 from quiesce.errors import EngineNotInstalled
+from quiesce.eta import DrainEta
 from quiesce.probe import Detail, PendingWork, Probe, Role
 
-from .board import BoardFlags, BoardSnapshot
+from .board import NO_VALUE, BoardFlags, BoardSnapshot, EtaFlags, counts_key
 from .plugin import SNAPSHOT_METHOD
 from .subscription import BoardSubscription, shared_subscription, unsubscribe
 
@@ -62,7 +72,41 @@ ENGINE_SOURCE = "vllm.engine_core"
 BOARD_SIGNAL = "board"
 BOARD_SEQUENCE = "board_sequence"
 """Detail: the sum of the boards' sequence numbers, which grows with every publication."""
+BOARD_COUNTS = "board_counts"
+"""Detail: :func:`.board.counts_key` of the boards read, what a drain waits to change."""
 COUNTS = ("waiting", "running", "kv_sends_held", "kv_recvs_awaited")
+ETA_BASIS = "vllm: remaining tokens x step time"
+ETA_REASONS: dict[EtaFlags, str] = {
+    EtaFlags.NOT_COMPUTED: "EngineCore could not read its requests' remaining tokens",
+    EtaFlags.NO_STEP_TIME: "no engine step has been timed yet",
+    EtaFlags.HELD_NO_LEASE: "KV held for a remote reader by a connector with no known lease",
+    EtaFlags.HELD_RENEWABLE_LEASE: "KV held for a remote reader under a lease the reader "
+                                   "renews (NIXL kv_lease_duration)",
+    EtaFlags.HELD_LEASE: "the bound includes the connector's lease on KV held for a "
+                         "remote reader",
+    EtaFlags.RECVS_AWAITED: "requests wait for KV from a remote prefill worker",
+    EtaFlags.PUSH_WORK: "the connector still pushes KV to a remote reader",
+    EtaFlags.KV_LIMITED: "the KV cache limits the batch (the bound assumes no preemption)",
+}
+
+
+def drain_eta(expected_ms: int | None, upper_ms: int | None, flags: int) -> DrainEta:
+    """One EngineCore's published ETA as a :class:`DrainEta`; never raises (a value it
+    cannot trust is unknown, with the reason)."""
+    try:
+        eta_flags = EtaFlags(flags)
+        expected = None if expected_ms is None or expected_ms == NO_VALUE else expected_ms / 1e3
+        upper = None if upper_ms is None or upper_ms == NO_VALUE else upper_ms / 1e3
+        if EtaFlags.NOT_COMPUTED in eta_flags:
+            expected = upper = None
+        reasons = [text for flag, text in ETA_REASONS.items() if flag in eta_flags]
+        if (expected is None or upper is None) and not reasons:
+            reasons.append("EngineCore gave no estimate")
+        if expected is not None and upper is not None and expected > upper:
+            upper = expected  # rounding: the bound is never below the estimate
+        return DrainEta(expected, upper, ETA_BASIS, "; ".join(reasons) or None)
+    except Exception as exc:  # a malformed value: unknown, never a failed read
+        return DrainEta.unknown(ETA_BASIS, f"malformed ETA ({type(exc).__name__}: {exc})")
 
 
 def installed_vllm_version() -> str | None:
@@ -207,7 +251,11 @@ class VllmProbe(Probe):
                            engine_has_work=any(s.has_work for s in snapshots),
                            details={"signal": BOARD_SIGNAL, "dp_engines": len(snapshots),
                                     "unflushed_finished": total("unflushed_finished"),
-                                    BOARD_SEQUENCE: total("sequence")})
+                                    BOARD_SEQUENCE: total("sequence"),
+                                    BOARD_COUNTS: counts_key(snapshots)},
+                           eta=DrainEta.combine(
+                               drain_eta(s.eta_expected_ms, s.eta_upper_ms, s.eta_flags)
+                               for s in snapshots))
 
     async def _from_utility(self, expected: int) -> PendingWork:
         use_snapshot = self._detailed is not False
@@ -246,6 +294,7 @@ class VllmProbe(Probe):
         totals = dict.fromkeys(COUNTS, 0)
         push_work = unflushed = 0
         has_work = False
+        etas: list[DrainEta] = []
         for rank, answer in enumerate(answers):
             if not isinstance(answer, dict) or "error" in answer:
                 problem = answer.get("error") if isinstance(answer, dict) else repr(answer)
@@ -260,13 +309,15 @@ class VllmProbe(Probe):
             except (KeyError, TypeError, ValueError) as exc:
                 return PendingWork.unknown(self.role, ENGINE_SOURCE,
                                            f"DP engine {rank}: malformed snapshot ({exc!r})")
+            etas.append(_snapshot_eta(answer.get("eta")))
         return PendingWork(role=self.role, source=ENGINE_SOURCE, waiting=totals["waiting"],
                            running=totals["running"], kv_sends_held=totals["kv_sends_held"],
                            kv_recvs_awaited=totals["kv_recvs_awaited"],
                            queues={"connector_push_work": push_work},
                            engine_has_work=has_work,
                            details={"signal": SNAPSHOT_METHOD, "dp_engines": len(answers),
-                                    "unflushed_finished": unflushed})
+                                    "unflushed_finished": unflushed},
+                           eta=DrainEta.combine(etas))
 
     # -- the probe ----------------------------------------------------------------
 
@@ -289,19 +340,30 @@ class VllmProbe(Probe):
         unsubscribe(self.engine.engine_core)
 
     async def wait_for_change(self, after: PendingWork, timeout: float) -> None:
-        """Wake when a board changed since ``after`` or the frontend count moved, or at
+        """Wake when a board's counts changed since ``after`` (not its ETA, which a busy
+        engine rewrites every step) or the frontend count moved, or at
         ``timeout``. If ``after`` was not read off the board (no plugin, a utility-call
         fallback) there is nothing to wait on: this sleeps ``timeout`` (polling)."""
         subscription = self._subscription
-        sequence = next((v for k, v in after.details.items()
-                         if k.endswith(BOARD_SEQUENCE) and isinstance(v, int)), None)
-        if subscription is None or subscription.closed or sequence is None:
+        key = next((v for k, v in after.details.items()
+                    if k.endswith(BOARD_COUNTS) and isinstance(v, int)), None)
+        if subscription is None or subscription.closed or key is None:
             await asyncio.sleep(timeout)
             return
         frontend = self._frontend().queues.get("frontend_unfinished")
         if frontend != after.queues.get("frontend_unfinished"):
             return
-        await subscription.wait_for_change(sequence, timeout)
+        await subscription.wait_for_change(key, timeout)
+
+
+def _snapshot_eta(eta: Any) -> DrainEta:
+    """The ETA of one snapshot answer (an older plugin has none: unknown, with why)."""
+    if not isinstance(eta, dict):
+        return DrainEta.unknown(ETA_BASIS, "EngineCore's plugin does not estimate a drain ETA")
+    if eta.get("error"):
+        return DrainEta.unknown(ETA_BASIS, f"EngineCore could not estimate: {eta['error']}")
+    return drain_eta(eta.get("expected_ms"), eta.get("upper_ms"),
+                     eta.get("flags", EtaFlags.NOT_COMPUTED))
 
 
 def probe_factory(engine: object, *, role: Role | str = Role.AGGREGATED,

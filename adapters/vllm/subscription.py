@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .board import BoardError, BoardReader, BoardSnapshot, ChangeFifo
+from .board import BoardError, BoardReader, BoardSnapshot, ChangeFifo, counts_key
 from .plugin import SUBSCRIBE_METHOD
 
 FIFO_NAME = "changes.fifo"
@@ -51,10 +51,16 @@ class BoardSubscription:
             return -1
         return sum(s.sequence for s in snapshots if s is not None)
 
+    def counts_key(self) -> int:
+        """:func:`.board.counts_key` of every board: it changes with the counts, not with
+        the ETA that a busy engine rewrites every step."""
+        return counts_key(self.read())
+
     async def wait_for_change(self, after: int, timeout: float) -> None:
-        """Return when :meth:`sequence` differs from ``after``, or at ``timeout``."""
+        """Return when :meth:`counts_key` differs from ``after`` (a count changed), or at
+        ``timeout``. An ETA-only publication neither signals the FIFO nor ends the wait."""
         self.fifo.drain()  # before the check: a publication after it leaves a byte behind
-        if self.sequence() != after:
+        if self.counts_key() != after:
             return
         await self.fifo.wait(timeout)
 

@@ -7,7 +7,12 @@
 # It turns on `set -euo pipefail` and sets
 #   RESULTS_DIR   where suites write results: $QUIESCE_GPU_RESULTS, default ci/gpu/results
 #                 (created; made absolute, so a later `cd` does not move it)
-# and defines, all safe under `set -euo pipefail`:
+# and ENGINE_ABSENT (69, EX_UNAVAILABLE): the exit code of an engine script whose engine
+# cannot run on this host at all (TensorRT-LLM outside NVIDIA's container); all.sh counts
+# it as skipped, with the script's last output line as the reason. Not 2 (require_gpu and
+# bad arguments), not 1-5 (pytest's own exit codes, which run_suite passes on) and not
+# 124/137 (timeout).
+# It defines, all safe under `set -euo pipefail`:
 #   require_gpu                 print `nvidia-smi -L`; exit 2 with a clear message if no GPU
 #   make_venv VENV [PYTHON]     create the virtual environment VENV with PYTHON (default
 #                               $PYTHON or python3) unless VENV/bin/python exists
@@ -28,6 +33,8 @@ RESULTS_DIR=${QUIESCE_GPU_RESULTS:-ci/gpu/results}
 mkdir -p "$RESULTS_DIR"
 RESULTS_DIR=$(cd "$RESULTS_DIR" && pwd)
 export RESULTS_DIR
+ENGINE_ABSENT=69
+export ENGINE_ABSENT
 
 require_gpu() {
     if ! command -v nvidia-smi >/dev/null 2>&1; then

@@ -7,11 +7,15 @@ machine this project had could install TensorRT-LLM (see the README's evidence l
 
 - the drift checker passes against the installed package, and the layout it names is the
   one the live probe reads (``test_drift_check_passes_on_the_installed_package``);
-- a context (prefill) worker with a real KV cache transceiver is drained only after the
+- a context (prefill) worker with a real KV cache transceiver answers a context-only
+  request as completed (TensorRT-LLM ends it ``not_finished``) with the parameters for
+  the decoder, and is drained only after the
   generation (decode) worker pulled its KV: while the handle is unused the drain waits
   and says why (``kv_sends_held``); on builds with the 1.2-era idle-loop gap the drain
   instead ends at its budget, which the test reports as an expected failure with the
   reason;
+- an idle engine reads quiescent with its zero confirmed across the executor loop
+  (``details.zero_confirmed``);
 - SIGTERM under streaming load, to the main process and to the whole process group,
   loses nothing: every stream is read to its end (a 200 with an error event inside is a
   lost request), and the worker exits drained with nothing aborted.
@@ -136,8 +140,19 @@ def test_drift_check_passes_on_the_installed_package(record_property: Any) -> No
     layouts = {r["key"]: r["layout"] for r in report["requirements"]}
     record_property("trtllm_version", report["version"])
     record_property("trtllm_layouts", json.dumps(layouts))
-    assert "tensorrt_llm" not in sys.modules  # found without importing it
+    # Found without importing it: in a process of its own (the pytest process may have
+    # imported tensorrt_llm for another test), and here, across the in-process call.
+    probe = ("import sys\nfrom quiesce.adapters.trtllm import doctor\n"
+             "report = doctor.check_installed()\n"
+             "print(report.ok, 'tensorrt_llm' in sys.modules)")
+    alone = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           timeout=120, check=False)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert alone.stdout.split()[-2:] == ["True", "False"], alone.stdout + alone.stderr
+    imported_before = "tensorrt_llm" in sys.modules
     assert doctor.check_installed().ok
+    if not imported_before:
+        assert "tensorrt_llm" not in sys.modules
 
 
 async def test_sigterm_to_the_main_process_under_load_loses_nothing(
@@ -156,6 +171,8 @@ async def _sigterm_under_load(engine: tuple[str, ...], group: bool) -> None:
         idle = admin(worker, "GET", "/engine/status")["pending_work"]
         assert idle["source"] == "trtllm.py_executor", idle
         assert idle["verdict"] == "quiescent", idle
+        # the idle real loop confirms its zero (parked on its queue, or its counter moved)
+        assert detail(idle, "zero_confirmed") is True, idle
         expected = {r.requirement.key: r.layout for r in doctor.check_installed().results}
         assert detail(idle, "layout.ctx_in_transfer") == expected["ctx_in_transfer"]
         started = asyncio.Event()
@@ -186,6 +203,8 @@ async def test_context_worker_drains_only_after_the_generation_worker_pulled_the
             answer = await client.post(f"{prefill.url}/v1/completions", json={
                 "prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {}})
         assert answer.status_code == 200, answer.text
+        # TensorRT-LLM ends a context-only request 'not_finished': completed, as "length"
+        assert answer.json()["choices"][0]["finish_reason"] == "length", answer.text
         handle = answer.json()["kv_transfer_params"]
         assert handle["request_type"] == "generation_only", handle
 

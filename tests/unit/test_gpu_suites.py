@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_the_gpu_skip_touches_only_the_gpu_suites() -> None:
          "tests/unit/test_drain_cost.py", "tests/gpu/test_nvml.py"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "test_drain_cost.py::test_known_work_is_the_cost PASSED" in proc.stdout, proc.stdout
+    assert re.search(r"test_drain_cost\.py::\S+ PASSED", proc.stdout), proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +239,8 @@ def test_all_runs_every_present_engine_continues_after_a_failure_and_fails(
     fake_tool(scripts, "alpha.sh", f'set -e\nsource ci/gpu/common.sh\nrun_suite alpha 120 '
               f'{sys.executable} -p no:cacheprovider --rootdir {suite} {suite / "test_ok.py"}')
     fake_tool(scripts, "beta.sh", 'echo "beta: engine failed to start" >&2\nexit 3')
+    fake_tool(scripts, "delta.sh", 'echo "delta: ENGINE ABSENT: no delta here" >&2\n'
+                                   'exit "$ENGINE_ABSENT"')
     bin_dir = tmp_path / "bin"
     fake_tool(bin_dir, "nvidia-smi", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-1)'")
     results = tmp_path / "results"
@@ -248,7 +251,7 @@ def test_all_runs_every_present_engine_continues_after_a_failure_and_fails(
         text=True, timeout=300, check=False,
         env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
              "QUIESCE_GPU_RESULTS": str(results), "QUIESCE_GPU_SCRIPTS_DIR": str(scripts),
-             "QUIESCE_GPU_ENGINES": "alpha beta gamma"})
+             "QUIESCE_GPU_ENGINES": "alpha beta gamma delta"})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert json.loads((results / "alpha.json").read_text())["passed"] == 1
@@ -256,6 +259,7 @@ def test_all_runs_every_present_engine_continues_after_a_failure_and_fails(
     table_rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("alpha")]
     assert table_rows and table_rows[0][1:4] == ["ok", "0", "1"]
     assert "engines run: alpha beta; failed: beta; no script: gamma" in proc.stdout
+    assert "skipped: delta (delta: ENGINE ABSENT: no delta here)" in proc.stdout
     assert "beta: engine failed to start" in (results / "beta.log").read_text()
 
 
@@ -369,3 +373,42 @@ def test_gpu_workflow_runs_every_engine_script_on_h200_runners() -> None:
 def test_results_are_ignored_by_git() -> None:
     assert "ci/gpu/results/" in (ROOT / ".gitignore").read_text().splitlines()
 
+
+
+@pytest.mark.skipif(BASH is None, reason="bash is not installed")
+def test_all_counts_an_absent_engine_as_skipped_not_failed(tmp_path: Path) -> None:
+    """FAKE scripts: one suite passes, one engine is absent on this host; exit 0."""
+    assert BASH is not None
+    scripts = tmp_path / "scripts"
+    fake_tool(scripts, "alpha.sh", "echo alpha ran")
+    fake_tool(scripts, "trtllm.sh", 'echo "trtllm.sh: ENGINE ABSENT: no tensorrt_llm" >&2\n'
+                                    'exit "$ENGINE_ABSENT"')
+    bin_dir = tmp_path / "bin"
+    fake_tool(bin_dir, "nvidia-smi", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-1)'")
+    proc = subprocess.run(
+        [BASH, str(ROOT / "ci" / "gpu" / "all.sh")], cwd=tmp_path, capture_output=True,
+        text=True, timeout=300, check=False,
+        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+             "QUIESCE_GPU_RESULTS": str(tmp_path / "results"),
+             "QUIESCE_GPU_SCRIPTS_DIR": str(scripts), "QUIESCE_GPU_ENGINES": "alpha trtllm"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "engines run: alpha; failed: none" in proc.stdout
+    assert "skipped: trtllm (trtllm.sh: ENGINE ABSENT: no tensorrt_llm)" in proc.stdout
+
+
+@pytest.mark.skipif(BASH is None, reason="bash is not installed")
+def test_trtllm_outside_its_container_exits_engine_absent(tmp_path: Path) -> None:
+    """The real ci/gpu/trtllm.sh with a FAKE nvidia-smi and this Python (no tensorrt_llm)."""
+    assert BASH is not None
+    bin_dir = tmp_path / "bin"
+    fake_tool(bin_dir, "nvidia-smi", "echo 'GPU 0: NVIDIA H200 (UUID: GPU-1)'")
+    proc = subprocess.run(
+        [BASH, str(ROOT / "ci" / "gpu" / "trtllm.sh")], cwd=ROOT, capture_output=True,
+        text=True, timeout=120, check=False,
+        env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+             "QUIESCE_GPU_RESULTS": str(tmp_path / "results"), "PYTHON": sys.executable})
+    code = run_bash('echo "$ENGINE_ABSENT"', tmp_path).stdout.strip()
+    assert code not in {"0", "1", "2", "3", "4", "5", "124", "137"}
+    assert proc.returncode == int(code), proc.stdout + proc.stderr
+    assert "ENGINE ABSENT" in proc.stderr

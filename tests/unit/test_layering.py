@@ -21,7 +21,7 @@ FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "
          "pod_deletion_cost",
          "serve_options", "openai_api", "openai_protocol", "status_format"}
 ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"},
-                  "nvml": {"pynvml"}}
+                  "nvml": {"pynvml"}, "etcd": {"aetcd"}, "dynamo": {"dynamo"}}
 """Third-party packages an adapter may import, lazily (inside a function) only."""
 THIRD_PARTY_ALLOWED_IN_FACES = {"fastapi", "starlette", "uvicorn", "pydantic", "prometheus_client",
                                 "httpx"}

@@ -16,7 +16,7 @@ from tests.unit.lifecycle_harness import Mode, Workers, finished
 
 STATUS_KEYS = {"state", "generation", "inflight_requests", "accepting", "discovery_registered",
                "since", "seconds_in_state", "last_error", "pending_work", "drain", "last_drain",
-               "requests", "drain_cost"}
+               "requests", "drain_cost", "discovery_error"}
 
 
 # -- status ------------------------------------------------------------------------------

@@ -9,12 +9,14 @@ tests/gpu/test_trtllm.py (run by ci/gpu/trtllm.sh inside NVIDIA's release contai
 
 from __future__ import annotations
 
+import ast
 import importlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -164,6 +166,39 @@ def test_a_file_that_does_not_parse_counts_as_missing(tmp_path: Path) -> None:
     assert not report.ok
     assert "does not parse" in next(r.note for r in report.missing
                                     if r.requirement.key == "active_requests")
+
+
+def test_a_file_with_nul_bytes_is_unparseable_not_a_crash(tmp_path: Path) -> None:
+    """ast.parse raises ValueError, not SyntaxError, for NUL bytes on Python 3.11."""
+    root = write_tree(tmp_path, "transfer-manager-module") / "tensorrt_llm"
+    (root / PY_EXECUTOR).write_text("class PyExecutor:\n    x = 1\x00\n")
+    (root / "version.py").write_text("__version__ = '1'\x00\n")
+    report = doctor.check(root)
+    assert not report.ok and report.version is None
+    assert "does not parse" in next(r.note for r in report.missing
+                                    if r.requirement.key == "active_requests")
+
+
+def test_a_parser_that_raises_value_error_is_unparseable(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Python 3.11 releases whose ast.parse raises ValueError for NUL bytes (3.11.7 here
+    raises SyntaxError): FAKE parser raising it, as those do."""
+    root = write_tree(tmp_path, "transfer-manager-module") / "tensorrt_llm"
+    (root / PY_EXECUTOR).write_text("class PyExecutor:\n    x = 1\x00\n")
+    (root / "version.py").write_text("__version__ = '1'\x00\n")
+    real = ast.parse
+
+    def parse(source: Any, *args: Any, **kwargs: Any) -> Any:
+        if "\x00" in str(source):
+            raise ValueError("source code string cannot contain null bytes")
+        return real(source, *args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", parse)
+    report = doctor.check(root)
+    assert not report.ok and report.version is None
+    assert "null bytes" in next(r.note for r in report.missing
+                                if r.requirement.key == "active_requests")
 
 
 def test_version_is_read_without_importing(tmp_path: Path) -> None:

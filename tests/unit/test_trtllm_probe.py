@@ -13,9 +13,11 @@ on an H200, run by ci/gpu/trtllm.sh), and the layout by the drift checker
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
 import queue
+import threading
 from collections import deque
 from typing import Any
 
@@ -314,3 +316,98 @@ def test_registry_entry_point_builds_the_probe(monkeypatch: pytest.MonkeyPatch) 
 async def test_unknown_layout_is_unknown() -> None:
     work = await observe(probe_for_llm(FakeLLM(executor_named("Future"))))
     assert work.verdict is Verdict.UNKNOWN and "'Future'" in work.reasons[0]
+
+
+# -- zero readings: flow order, and confirmed across an executor iteration ---------------
+# FAKES of the executor loop's interleavings; the real loop is covered by
+# tests/gpu/test_trtllm.py (SIGTERM under load, every stream read to its end).
+
+class MovesWhileRead(NewExecutor):
+    """/tmp/r3.py: the loop moves the one request request queue → active right after the
+    reader copied ``active_requests`` (a GIL switch between two reads)."""
+
+    def __init__(self) -> None:
+        super().__init__(queued=1)
+        self._active: list[Request] = []
+
+    @property
+    def active_requests(self) -> list[Request]:
+        snapshot = list(self._active)
+        if self.executor_request_queue.request_queue.qsize():
+            self.executor_request_queue.request_queue.get()
+            self._active.append(Request())
+        return snapshot
+
+    @active_requests.setter
+    def active_requests(self, value: list[Request]) -> None:
+        self._active = value
+
+
+async def test_a_request_moving_forward_between_reads_is_seen() -> None:
+    work = await observe(InProcessProbe(None, executor=MovesWhileRead()))
+    assert work.verdict is Verdict.BUSY
+
+
+class Rebuilding(NewExecutor):
+    """An older build's ``active_requests.clear(); extend(new)``: one read sees the list
+    empty while it holds a request; ``iter_counter`` counts the loop's passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held = [Request()]
+        self.iter_counter = 7
+        self.transient_reads = 1
+
+    @property
+    def active_requests(self) -> list[Request]:
+        if self.transient_reads:
+            self.transient_reads -= 1
+            return []
+        return self._held
+
+    @active_requests.setter
+    def active_requests(self, value: list[Request]) -> None:
+        self._held = value
+
+
+async def test_a_transient_empty_list_is_not_idle() -> None:
+    executor = Rebuilding()
+    work = await observe(InProcessProbe(None, executor=executor))
+    assert work.verdict is Verdict.BUSY  # the second reading saw the request
+
+
+async def test_a_zero_needs_the_loop_to_go_round() -> None:
+    executor = Rebuilding()
+    executor._held = []
+    probe = InProcessProbe(None, executor=executor)
+    work = await observe(probe)  # two zero readings, counter unchanged: not confirmed
+    assert work.verdict is Verdict.UNKNOWN and "not confirmed" in work.reasons[0]
+    executor.iter_counter += 1  # the loop went round since the last zero reading
+    work = await observe(probe)
+    assert work.verdict is Verdict.QUIESCENT and work.details["zero_confirmed"] is True
+
+
+async def test_a_loop_parked_on_its_empty_request_queue_confirms_at_once() -> None:
+    executor = NewExecutor()
+    executor.iter_counter = 3  # type: ignore[attr-defined]
+    queue_ = executor.executor_request_queue.request_queue
+    parked = threading.Thread(target=lambda: queue_.get(timeout=5), daemon=True)
+    parked.start()
+    try:
+        for _ in range(200):
+            if queue_.not_empty._waiters:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.001)
+        work = await observe(InProcessProbe(None, executor=executor))
+        assert work.verdict is Verdict.QUIESCENT
+    finally:
+        queue_.put(0)
+        parked.join(5)
+
+
+async def test_without_a_counter_a_second_reading_confirms() -> None:
+    executor = NewExecutor()
+    reading = read_py_executor(executor)
+    assert reading["iter_before"] is None and reading["parked"] is False
+    assert (await observe(InProcessProbe(None, executor=executor))).verdict \
+        is Verdict.QUIESCENT

@@ -171,7 +171,7 @@ async def test_proxy_is_a_labelled_weak_signal(role: Role) -> None:
 async def test_proxy_uses_the_newest_statistic_and_json_text() -> None:
     stats = [{"iter": 1, "numActiveRequests": 5, "numQueuedRequests": 0},
              json.dumps({"iter": 2, "numActiveRequests": 3, "numQueuedRequests": 1})]
-    work = await observe(probe_for_llm(ProxyLLM(stats=stats)))
+    work = await observe(probe_for_llm(ProxyLLM(stats=stats), stats_per_read=2))
     assert (work.running, work.waiting, work.details["stats_iter"]) == (3, 1, "2")
 
 
@@ -184,3 +184,59 @@ async def test_proxy_without_results_map_is_unknown() -> None:
     llm = ProxyLLM()
     del llm._executor._results
     assert (await observe(probe_for_llm(llm))).verdict is Verdict.UNKNOWN
+
+
+async def test_proxy_takes_at_most_one_statistic_and_only_when_idle() -> None:
+    """The statistics queue is shared (Dynamo's metrics read it too): a read takes one
+    record by default, and none while the proxy holds unfinished results."""
+    stats = [{"iter": i, "numActiveRequests": 0, "numQueuedRequests": 0} for i in range(5)]
+    busy = ProxyLLM(unfinished=1, stats=stats)
+    assert (await observe(probe_for_llm(busy))).running == 1
+    assert len(busy.stats.items) == 5  # nothing consumed
+    idle = ProxyLLM(stats=stats)
+    work = await observe(probe_for_llm(idle))
+    assert work.verdict is Verdict.QUIESCENT and len(idle.stats.items) == 4
+    never = ProxyLLM(stats=[{"iter": 1, "numActiveRequests": 0, "numQueuedRequests": 0}])
+    await observe(probe_for_llm(never, stats_per_read=0))
+    assert len(never.stats.items) == 1
+
+
+async def test_proxy_with_a_kv_connector_is_unknown() -> None:
+    """FAKE: connector saves outlive the results; the GPU suite has no connector case."""
+    llm = ProxyLLM()
+    llm.args.kv_connector_config = {"connector_module": "x"}
+    work = await observe(probe_for_llm(llm))
+    assert work.verdict is Verdict.UNKNOWN
+    assert any("KV connector" in r for r in work.reasons)
+
+
+async def test_a_hung_ray_read_is_not_stacked_and_does_not_fill_the_default_executor(
+        ) -> None:
+    """/tmp/r4.py: FAKE Ray that never answers. Each timed-out read used to leave a thread
+    of the default executor stuck, until ``to_thread(llm.shutdown)`` could not start."""
+    release = threading.Event()
+    calls: list[str] = []
+    llm = RayLLM([RayWorker(NewExecutor())])
+
+    def hang(method: str) -> None:
+        calls.append(method)
+        release.wait(10)
+
+    llm._collective_rpc = hang  # type: ignore[method-assign,assignment]
+    probe = RayProbe(llm, ranks=1)
+    try:
+        works = [await observe(probe, timeout=0.01) for _ in range(40)]
+        assert calls == [METHOD]  # one read outstanding, never a second
+        assert "did not answer within" in works[0].reasons[0]
+        assert all("has not returned" in w.reasons[0] for w in works[1:])
+        assert all(w.verdict is Verdict.UNKNOWN for w in works)
+        ran = await asyncio.wait_for(asyncio.to_thread(lambda: "shutdown ran"), 2.0)
+        assert ran == "shutdown ran"
+    finally:
+        release.set()
+    for _ in range(200):  # once the hung read returns, reads start again
+        if probe._reading_since is None:
+            break
+        await asyncio.sleep(0.005)
+    llm._collective_rpc = RayLLM._collective_rpc.__get__(llm)  # type: ignore[method-assign]
+    assert (await observe(probe)).verdict is Verdict.QUIESCENT

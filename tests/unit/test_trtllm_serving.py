@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, ClassVar
@@ -95,12 +96,19 @@ class Result:
             if self.prompt == "hang":
                 yield Output([Completion(" a", [5])], [1])
                 await asyncio.Event().wait()
+            # Like TensorRT-LLM (GenerationResult._handle_sequence): a context-only request
+            # ends NOT_FINISHED, reported as 'not_finished'; "not_finished" scripts that
+            # reason on a request that is not context-only (the engine never should).
+            context_only = getattr(self.disagg, "request_type", None) == "context_only"
+            last_reason = "not_finished" if context_only or self.prompt == "not_finished" \
+                else "length"
             for n in range(1, 4):
                 if self.prompt == "fails" and n == 2:
                     raise RuntimeError("Executor worker returned error")  # RequestError-like
                 handle = DisaggregatedParams(request_type="context_only", ctx_request_id=7,
                                              opaque_state=b"\x00kv", first_gen_tokens=[5])
-                yield Output([Completion(" t" * n, list(range(n)), "length" if n == 3 else None,
+                yield Output([Completion(" t" * n, list(range(n)),
+                                         last_reason if n == 3 else None,
                                          handle if n == 3 else None)], [1, 2])
         finally:
             self.llm._executor._results.pop(self.request_id, None)
@@ -247,7 +255,7 @@ async def test_outcomes_map_onto_completed_lost_and_rejected(
     done = await face.events("hello")
     assert done[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in done[:-1] if e.get("choices")) == " t t t"
-    for prompt in ("cancelled", "fails", "dead"):
+    for prompt in ("cancelled", "fails", "dead", "not_finished"):
         events = await face.events(prompt)
         assert events[-1]["error"]["outcome"] == "lost", (prompt, events)
     events = await face.events("too long")
@@ -256,7 +264,7 @@ async def test_outcomes_map_onto_completed_lost_and_rejected(
         "model": "tiny", "prompt": "hello", "top_k": 5000})
     assert answer.status_code == 400
     outcomes = face.gate.outcomes()
-    assert (outcomes.completed, outcomes.lost, outcomes.rejected) == (1, 3, 2)
+    assert (outcomes.completed, outcomes.lost, outcomes.rejected) == (1, 4, 2)
     await face.client.aclose()
 
 
@@ -296,6 +304,7 @@ async def test_prefill_hands_the_decoder_its_params(fake_trtllm: types.ModuleTyp
     submitted = FakeLLM.built[-1].submitted[-1]
     assert submitted.disagg.request_type == "context_only"
     assert submitted.params.kwargs["max_tokens"] == 1  # asked for 3: prefill only
+    assert pieces[-1].finish_reason == "length"  # the engine said 'not_finished'
     handle = pieces[-1].kv_transfer_params
     assert handle == {"request_type": "generation_only", "first_gen_tokens": [5],
                       "ctx_request_id": 7, OPAQUE_KEY: base64.b64encode(b"\x00kv").decode()}
@@ -303,6 +312,21 @@ async def test_prefill_hands_the_decoder_its_params(fake_trtllm: types.ModuleTyp
     assert disaggregated_kwargs(handle, Role.DECODE) == {
         "request_type": "generation_only", "first_gen_tokens": [5], "ctx_request_id": 7,
         "opaque_state": b"\x00kv"}
+
+
+async def test_a_prefill_request_is_completed_not_lost(fake_trtllm: types.ModuleType) -> None:
+    """FAKE engine ending the context-only request with 'not_finished' as TensorRT-LLM
+    does; tests/gpu/test_trtllm.py's context/generation pair covers the real one."""
+    face = Face(await started(Role.PREFILL))
+    answer = await face.client.post("/v1/completions", json={
+        "model": "tiny", "prompt": "hello", "max_tokens": 3})
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["kv_transfer_params"]["request_type"] == "generation_only"
+    outcomes = face.gate.outcomes()
+    assert (outcomes.completed, outcomes.lost) == (1, 0)
+    await face.client.aclose()
 
 
 def test_disaggregated_params_are_checked() -> None:
@@ -347,6 +371,50 @@ async def test_abort_all_retries_a_map_that_changes_and_fails_on_drift() -> None
     del executor._results
     with pytest.raises(LookupError, match="_results"):
         await TrtllmEngineControl(types.SimpleNamespace(_executor=executor)).abort_all("x")
+
+
+async def test_abort_all_runs_off_the_event_loop_and_counts_abandoned_kv(
+        fake_trtllm: types.ModuleType, caplog: pytest.LogCaptureFixture) -> None:
+    """FAKE: ``abort()`` blocks like a Ray ``ray.get``; the single-process executor holds two
+    context requests in KV transfer. tests/gpu/test_trtllm.py covers the real engine."""
+    llm = FakeLLM("/m")
+    llm._executor.engine.async_transfer_manager = types.SimpleNamespace(
+        requests_in_transfer=lambda: {1: "ctx", 2: "ctx"})
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+
+    class Blocking:
+        def abort(self) -> None:
+            threads.append(threading.get_ident())
+
+    llm._executor._results.update({10: Blocking(), 11: Blocking()})
+    with caplog.at_level("WARNING", logger="quiesce.adapters.trtllm.control"):
+        assert await TrtllmEngineControl(llm).abort_all("budget") == 4  # 2 aborted + 2 held
+    assert len(threads) == 2 and loop_thread not in threads
+    assert "abandoning KV of 2 context request(s)" in caplog.text
+
+
+async def test_abort_all_stops_at_the_callers_deadline() -> None:
+    release = threading.Event()
+    done: list[int] = []
+
+    class Hung:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def abort(self) -> None:
+            release.wait(5)
+            done.append(self.n)
+
+    executor = type("GenerationExecutorProxy", (), {})()
+    executor._results = {n: Hung(n) for n in range(3)}
+    control = TrtllmEngineControl(types.SimpleNamespace(_executor=executor))
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(control.abort_all("x"), 0.05)
+    release.set()
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+    assert done == [0]  # the loop noticed the deadline after the abort in progress
 
 
 async def test_shutdown_runs_the_llms_own(fake_trtllm: types.ModuleType) -> None:

