@@ -17,8 +17,17 @@ closed: routers may still list the worker) and additionally implements
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar, runtime_checkable
+
+from quiesce.budget import Deadline
+from quiesce.errors import QuiesceError
+
+log = logging.getLogger("quiesce.discovery")
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -50,6 +59,62 @@ def registration_state(discovery: Discovery) -> tuple[bool | None, str | None]:
     if error is not None:
         return None, error
     return discovery.registered, None
+
+
+class DiscoveryUnavailable(QuiesceError):
+    """A discovery backend did not confirm an operation within its budget; the
+    registration state is unknown. ``attempts`` says how often it was tried."""
+
+    def __init__(self, backend: str, operation: str, attempts: int, elapsed_s: float,
+                 cause: str) -> None:
+        super().__init__(f"{backend} {operation} not confirmed after {attempts} attempt(s) "
+                         f"in {elapsed_s:.3f}s: {cause}")
+        self.backend = backend
+        self.operation = operation
+        self.attempts = attempts
+
+
+BACKOFF_FIRST_S = 0.02
+BACKOFF_MAX_S = 0.5
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for an attempt's failure (a timeout says so)."""
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return "call timed out"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def retry_within(backend: str, operation: str, attempt: Callable[[], Awaitable[T]],
+                       deadline: Deadline, rpc_timeout_s: float, *,
+                       retryable: Callable[[BaseException], bool] = lambda _: True) -> T:
+    """Run ``attempt()`` until it succeeds or ``deadline`` passes, for a remote backend.
+
+    Each attempt is bounded by ``rpc_timeout_s`` and the time left; between attempts a
+    backoff doubles from :data:`BACKOFF_FIRST_S` to :data:`BACKOFF_MAX_S` (never past
+    the deadline). Raises :class:`DiscoveryUnavailable` when the budget is spent, or at
+    once (chained) for an error ``retryable`` refuses.
+    """
+    started = time.monotonic()
+    delay = BACKOFF_FIRST_S
+    attempts = 0
+    last = "no attempt fitted in the budget"
+    while (left := deadline.remaining()) > 0:
+        attempts += 1
+        try:
+            return await asyncio.wait_for(attempt(), min(rpc_timeout_s, left))
+        except Exception as exc:
+            last = describe_failure(exc)
+            if not retryable(exc):
+                raise DiscoveryUnavailable(backend, operation, attempts,
+                                           time.monotonic() - started, last) from exc
+            log.debug("%s %s attempt %d failed: %s", backend, operation, attempts, last)
+        left = deadline.remaining()
+        if left <= 0:
+            break
+        await asyncio.sleep(min(delay, left))
+        delay = min(delay * 2, BACKOFF_MAX_S)
+    raise DiscoveryUnavailable(backend, operation, attempts, time.monotonic() - started, last)
 
 
 Watcher = Callable[[str, bool], None]

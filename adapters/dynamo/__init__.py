@@ -48,10 +48,11 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 from quiesce.admission import AdmissionGate, Outcome
 from quiesce.budget import Deadline, check_seconds
+from quiesce.discovery import DiscoveryUnavailable, describe_failure, retry_within
 from quiesce.drain import (
     DrainConfig,
     StageOutcome,
@@ -59,7 +60,7 @@ from quiesce.drain import (
     wait_admitted_zero,
     wait_quiescent,
 )
-from quiesce.errors import ConfigError, EngineNotInstalled, QuiesceError
+from quiesce.errors import ConfigError, EngineNotInstalled
 from quiesce.probe import QuiescenceProbe
 
 __all__ = ["DiscoveryUnavailable", "DynamoDiscovery", "ShutdownReport", "gated",
@@ -67,8 +68,6 @@ __all__ = ["DiscoveryUnavailable", "DynamoDiscovery", "ShutdownReport", "gated",
 
 log = logging.getLogger("quiesce.adapters.dynamo")
 
-BACKOFF_FIRST_S = 0.02
-BACKOFF_MAX_S = 0.5
 DEFAULT_ROUTER_GRACE_S = 0.5
 DEFAULT_CALLBACK_TIMEOUT_S = 30.0
 LOOPBACK_ENV = {
@@ -79,7 +78,6 @@ LOOPBACK_ENV = {
 }
 """Environment that keeps the runtime's TCP request plane and event plane on loopback."""
 
-T = TypeVar("T")
 
 
 class DynamoEndpoint(Protocol):
@@ -90,47 +88,9 @@ class DynamoEndpoint(Protocol):
     async def register_endpoint_instance(self) -> None: ...
 
 
-class DiscoveryUnavailable(QuiesceError):
-    """Dynamo's discovery did not confirm within the budget; the state is unknown."""
-
-    def __init__(self, operation: str, attempts: int, elapsed_s: float, cause: str) -> None:
-        super().__init__(f"dynamo {operation} not confirmed after {attempts} attempt(s) in "
-                         f"{elapsed_s:.3f}s: {cause}")
-        self.operation = operation
-        self.attempts = attempts
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return "call timed out"
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _already_gone(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "could not find key" in text or "not found" in text
-
-
-async def _retry(operation: str, attempt: Callable[[], Awaitable[T]], deadline: Deadline,
-                 rpc_timeout_s: float) -> T:
-    started = time.monotonic()
-    delay = BACKOFF_FIRST_S
-    attempts = 0
-    last = "no attempt fitted in the budget"
-    while (left := deadline.remaining()) > 0:
-        attempts += 1
-        timeout = min(rpc_timeout_s, left)
-        try:
-            return await asyncio.wait_for(attempt(), timeout)
-        except Exception as exc:
-            last = _describe(exc)
-            log.debug("dynamo %s attempt %d failed: %s", operation, attempts, last)
-        left = deadline.remaining()
-        if left <= 0:
-            break
-        await asyncio.sleep(min(delay, left))
-        delay = min(delay * 2, BACKOFF_MAX_S)
-    raise DiscoveryUnavailable(operation, attempts, time.monotonic() - started, last)
 
 
 class DynamoDiscovery:
@@ -186,10 +146,11 @@ class DynamoDiscovery:
             limit = self._deadline(deadline)
             try:
                 for endpoint in self._endpoints:
-                    await _retry("register", endpoint.register_endpoint_instance, limit,
-                                 self._rpc_timeout_s)
+                    await retry_within("dynamo", "register",
+                                       endpoint.register_endpoint_instance, limit,
+                                       self._rpc_timeout_s)
             except BaseException as exc:
-                self._state, self._error = None, _describe(exc)
+                self._state, self._error = None, describe_failure(exc)
                 raise
             self._state, self._error = True, None
 
@@ -210,10 +171,11 @@ class DynamoDiscovery:
 
             try:
                 for endpoint in self._endpoints:
-                    await _retry("unregister", functools.partial(unregister_one, endpoint),
-                                 limit, self._rpc_timeout_s)
+                    await retry_within("dynamo", "unregister",
+                                       functools.partial(unregister_one, endpoint), limit,
+                                       self._rpc_timeout_s)
             except BaseException as exc:
-                self._state, self._error = None, _describe(exc)
+                self._state, self._error = None, describe_failure(exc)
                 raise
             self._state, self._error = False, None
 
@@ -275,7 +237,7 @@ async def _bounded_callback(name: str, callback: Callable[[], Awaitable[object]]
                            f"did not return within {timeout_s:g}s")
     except Exception as exc:
         log.exception("%s callback failed", name)
-        return StageReport(name, StageOutcome.FAILED, clock() - started, _describe(exc))
+        return StageReport(name, StageOutcome.FAILED, clock() - started, describe_failure(exc))
     return StageReport(name, StageOutcome.COMPLETED, clock() - started)
 
 
@@ -293,7 +255,7 @@ async def _drain(discovery: DynamoDiscovery, gate: AdmissionGate, *,
     except Exception as exc:
         log.error("unregister failed, draining anyway: %s", exc)
         stages.append(StageReport("unregister", StageOutcome.FAILED, clock() - started,
-                                  _describe(exc)))
+                                  describe_failure(exc)))
 
     # 2. router grace: routers that already picked us are still sending
     started = clock()
@@ -376,7 +338,7 @@ async def graceful_shutdown_with_drain(  # noqa: PLR0917 (Dynamo's positional or
         except Exception as exc:
             log.exception("runtime.shutdown() failed")
             stages.append(StageReport("runtime_shutdown", StageOutcome.FAILED,
-                                      clock() - started, _describe(exc)))
+                                      clock() - started, describe_failure(exc)))
     result = ShutdownReport(tuple(stages), drained and left == 0, left)
     log.info("dynamo worker shutdown: %s", result.to_dict())
     return result

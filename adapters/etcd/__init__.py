@@ -60,22 +60,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from quiesce.budget import Deadline, check_seconds
-from quiesce.discovery import Watcher
-from quiesce.errors import ConfigError, EngineNotInstalled, QuiesceError
+from quiesce.discovery import (
+    BACKOFF_FIRST_S,
+    DiscoveryUnavailable,
+    Watcher,
+    describe_failure,
+    retry_within,
+)
+from quiesce.errors import ConfigError, EngineNotInstalled
 
 __all__ = ["DiscoveryUnavailable", "EtcdConfig", "EtcdDiscovery", "EtcdWatcher"]
 
 log = logging.getLogger("quiesce.adapters.etcd")
 
 ROLES = ("aggregated", "prefill", "decode")
-BACKOFF_FIRST_S = 0.02
-BACKOFF_MAX_S = 0.5
 CLEANUP_BACKOFF_MAX_S = 1.0
 GRPC_OPTIONS = {
     # Reach a restarted etcd within about a second (gRPC's default backoff grows to 120 s).
@@ -84,18 +86,6 @@ GRPC_OPTIONS = {
     "grpc.max_reconnect_backoff_ms": 1000,
 }
 
-T = TypeVar("T")
-
-
-class DiscoveryUnavailable(QuiesceError):
-    """etcd did not confirm an operation within its budget; the registration state is
-    unknown. ``attempts`` says how often it was tried."""
-
-    def __init__(self, operation: str, attempts: int, elapsed_s: float, cause: str) -> None:
-        super().__init__(f"etcd {operation} not confirmed after {attempts} attempt(s) in "
-                         f"{elapsed_s:.3f}s: {cause}")
-        self.operation = operation
-        self.attempts = attempts
 
 
 def _aetcd() -> Any:
@@ -169,46 +159,6 @@ def _retryable(exc: BaseException) -> bool:
     aetcd = _aetcd()
     return isinstance(exc, (aetcd.ConnectionFailedError, aetcd.ConnectionTimeoutError,
                             aetcd.InternalError))
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return "RPC timed out"
-    return f"{type(exc).__name__}: {exc}"
-
-
-async def _with_retries(operation: str, attempt: Callable[[], Awaitable[T]],
-                        deadline: Deadline, rpc_timeout_s: float) -> T:
-    """Run ``attempt()`` until it succeeds or ``deadline`` passes.
-
-    Doubling backoff between attempts, each attempt bounded by ``rpc_timeout_s`` and the
-    time left. Raises :class:`DiscoveryUnavailable` (retryable errors, budget spent) or
-    the attempt's own error (anything not retryable, wrapped in the same type).
-    """
-    started = time.monotonic()
-    delay = BACKOFF_FIRST_S
-    attempts = 0
-    last = "no attempt fitted in the budget"
-    while True:
-        left = deadline.remaining()
-        if left <= 0:
-            break
-        attempts += 1
-        timeout = min(rpc_timeout_s, left)
-        try:
-            return await asyncio.wait_for(attempt(), timeout)
-        except Exception as exc:
-            last = _describe(exc)
-            if not _retryable(exc):
-                raise DiscoveryUnavailable(operation, attempts, time.monotonic() - started,
-                                           last) from exc
-            log.debug("etcd %s attempt %d failed: %s", operation, attempts, last)
-        left = deadline.remaining()
-        if left <= 0:
-            break
-        await asyncio.sleep(min(delay, left))
-        delay = min(delay * 2, BACKOFF_MAX_S)
-    raise DiscoveryUnavailable(operation, attempts, time.monotonic() - started, last)
 
 
 def _lease_not_found(exc: BaseException) -> bool:
@@ -315,11 +265,11 @@ class EtcdDiscovery:
             await self._stop(self._cleanup)
             await self._stop(self._keeper)
             try:
-                lease_id = await _with_retries("register", self._grant_and_put,
-                                               self._deadline(deadline),
-                                               self.config.rpc_timeout_s)
+                lease_id = await retry_within("etcd", "register", self._grant_and_put,
+                                              self._deadline(deadline),
+                                              self.config.rpc_timeout_s, retryable=_retryable)
             except BaseException as exc:
-                self._state, self._error = None, _describe(exc)
+                self._state, self._error = None, describe_failure(exc)
                 raise
             old, self._lease_id = self._lease_id, lease_id
             self._state, self._error = True, None
@@ -342,8 +292,8 @@ class EtcdDiscovery:
             await self._stop(self._cleanup)
             limit = self._deadline(deadline)
             try:
-                await _with_retries("unregister (delete)", self._delete, limit,
-                                    self.config.rpc_timeout_s)
+                await retry_within("etcd", "unregister (delete)", self._delete, limit,
+                                   self.config.rpc_timeout_s, retryable=_retryable)
             except DiscoveryUnavailable as exc:
                 self._state, self._error = None, str(exc)
                 log.error("%s; retrying in the background, the lease expires in %d s "
@@ -355,9 +305,9 @@ class EtcdDiscovery:
             lease_id, self._lease_id = self._lease_id, None
             if lease_id is not None:
                 try:
-                    await _with_retries("unregister (revoke)",
-                                        lambda: self._revoke(lease_id), limit,
-                                        self.config.rpc_timeout_s)
+                    await retry_within("etcd", "unregister (revoke)",
+                                       lambda: self._revoke(lease_id), limit,
+                                       self.config.rpc_timeout_s, retryable=_retryable)
                 except DiscoveryUnavailable as exc:
                     log.warning("%s; the key is gone and the lease expires in %d s", exc,
                                 self.config.ttl_s)
@@ -384,7 +334,7 @@ class EtcdDiscovery:
             try:
                 await asyncio.wait_for(self._revoke(lease_id), self.config.rpc_timeout_s)
             except Exception as exc:  # it expires by itself
-                log.debug("revoking the old lease %x failed: %s", lease_id, _describe(exc))
+                log.debug("revoking the old lease %x failed: %s", lease_id, describe_failure(exc))
         asyncio.get_running_loop().create_task(revoke())
 
     def _unknown(self, why: str) -> None:
@@ -423,7 +373,7 @@ class EtcdDiscovery:
                 raise
             except Exception as exc:
                 self.keepalive_failures += 1
-                self._unknown(f"keep-alive failed: {_describe(exc)}")
+                self._unknown(f"keep-alive failed: {describe_failure(exc)}")
                 delay = BACKOFF_FIRST_S if delay >= period else min(delay * 2, period)
                 continue
             if self._state is not True:
@@ -438,7 +388,7 @@ class EtcdDiscovery:
             try:
                 await asyncio.wait_for(self._delete(), self.config.rpc_timeout_s)
             except Exception as exc:
-                self._error = f"unregister not confirmed, still retrying: {_describe(exc)}"
+                self._error = f"unregister not confirmed, still retrying: {describe_failure(exc)}"
                 delay = min(delay * 2, CLEANUP_BACKOFF_MAX_S)
                 continue
             self._state, self._error = False, None
@@ -448,7 +398,7 @@ class EtcdDiscovery:
                 try:
                     await asyncio.wait_for(self._revoke(lease_id), self.config.rpc_timeout_s)
                 except Exception as exc:
-                    log.debug("revoke after the outage failed: %s", _describe(exc))
+                    log.debug("revoke after the outage failed: %s", describe_failure(exc))
 
 
 class EtcdWatcher:
@@ -510,8 +460,9 @@ class EtcdWatcher:
         """Read the prefix and start watching; raises DiscoveryUnavailable after
         ``timeout_s`` if etcd cannot be read."""
         check_seconds("timeout_s", timeout_s, allow_zero=False)
-        revision = await _with_retries("watch", self._snapshot,
-                                       Deadline.after(timeout_s), timeout_s)
+        revision = await retry_within("etcd", "watch", self._snapshot,
+                                      Deadline.after(timeout_s), timeout_s,
+                                      retryable=_retryable)
         watch = await self._client.watch_prefix(self._prefix, start_revision=revision + 1)
         self._task = asyncio.get_running_loop().create_task(self._follow(watch, revision))
         self._ready.set()
@@ -536,7 +487,7 @@ class EtcdWatcher:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.debug("etcd watch broke: %s", _describe(exc))
+                log.debug("etcd watch broke: %s", describe_failure(exc))
             # re-establish: re-read the map, then watch from the revision read
             while True:
                 await asyncio.sleep(delay)
@@ -549,7 +500,7 @@ class EtcdWatcher:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    log.debug("etcd re-watch failed: %s", _describe(exc))
+                    log.debug("etcd re-watch failed: %s", describe_failure(exc))
                     continue
                 self.reconnects += 1
                 break

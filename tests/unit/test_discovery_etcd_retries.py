@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from quiesce.budget import Deadline
-from quiesce.discovery import registration_state
+from quiesce.discovery import registration_state, retry_within
 
 aetcd = pytest.importorskip("aetcd", reason="aetcd is not installed: pip install "
                                             "'quiesce[etcd]'")
@@ -17,7 +17,7 @@ from quiesce.adapters.etcd import (  # noqa: E402
     DiscoveryUnavailable,
     EtcdConfig,
     EtcdDiscovery,
-    _with_retries,
+    _retryable,
 )
 
 
@@ -29,7 +29,8 @@ async def test_retries_double_and_stop_at_the_deadline() -> None:
         raise aetcd.ConnectionFailedError("connection refused")
 
     with pytest.raises(DiscoveryUnavailable) as info:
-        await asyncio.wait_for(_with_retries("probe", refused, Deadline.after(0.3), 0.1), 5.0)
+        await asyncio.wait_for(retry_within("etcd", "probe", refused, Deadline.after(0.3), 0.1,
+                                            retryable=_retryable), 5.0)
     assert info.value.attempts == len(calls) >= 3
     assert "connection refused" in str(info.value)
 
@@ -44,7 +45,8 @@ async def test_a_hanging_attempt_is_cut_by_the_rpc_timeout_and_retried() -> None
             await asyncio.Event().wait()
         return "ok"
 
-    assert await _with_retries("probe", hangs_once, Deadline.after(5.0), 0.05) == "ok"
+    assert await retry_within("etcd", "probe", hangs_once, Deadline.after(5.0), 0.05,
+                              retryable=_retryable) == "ok"
     assert calls == 2
 
 
@@ -57,7 +59,7 @@ async def test_errors_that_retrying_cannot_fix_fail_at_once() -> None:
         raise aetcd.InvalidArgumentError("bad key")
 
     with pytest.raises(DiscoveryUnavailable) as info:
-        await _with_retries("probe", bad, Deadline.after(5.0), 1.0)
+        await retry_within("etcd", "probe", bad, Deadline.after(5.0), 1.0, retryable=_retryable)
     assert calls == 1 and info.value.attempts == 1
     assert isinstance(info.value.__cause__, aetcd.InvalidArgumentError)
 
