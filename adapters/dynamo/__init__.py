@@ -50,7 +50,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, cast
 
-from quiesce.admission import AdmissionGate, Outcome
+from quiesce.admission import AdmissionGate, Outcome, OutcomeCounts
 from quiesce.budget import Deadline, check_seconds
 from quiesce.discovery import DiscoveryUnavailable, describe_failure, retry_within
 from quiesce.drain import (
@@ -216,12 +216,17 @@ class ShutdownReport:
     stages: tuple[StageReport, ...]
     drained: bool
     """Nothing was admitted (and the probe, if any, was quiescent) before the abort
-    signal (``shutdown_event``) was set."""
+    signal (``shutdown_event``) was set, and no admitted request ended ``lost`` since
+    the drain began."""
     left_inflight: int
     """Requests still admitted when ``shutdown_event`` was set (left to the abort)."""
+    ended: OutcomeCounts = dataclasses.field(default_factory=OutcomeCounts)
+    """How the admitted requests that ended since the drain began ended (up to the
+    abort signal)."""
 
     def to_dict(self) -> dict[str, object]:
         return {"drained": self.drained, "left_inflight": self.left_inflight,
+                "lost_requests": self.ended.lost, "requests": self.ended.to_dict(),
                 "stages": [s.to_dict() for s in self.stages]}
 
 
@@ -313,6 +318,7 @@ async def graceful_shutdown_with_drain(  # noqa: PLR0917 (Dynamo's positional or
     deadline = Deadline.after(budget_s, clock)
     stages: list[StageReport] = []
     drained = False
+    at_start = gate.outcomes()
     try:
         drained = await _drain(discovery, gate, probe=probe, grace=grace, deadline=deadline,
                                drain_config=drain_config, stages=stages, clock=clock)
@@ -323,7 +329,7 @@ async def graceful_shutdown_with_drain(  # noqa: PLR0917 (Dynamo's positional or
                                               callback_timeout_s, clock))
     finally:
         # 8. only now: what is still admitted is aborted by the backend's handlers
-        left = gate.inflight
+        left, ended = gate.inflight, gate.outcomes() - at_start
         gate.close("stopping")
         if shutdown_event is not None:
             shutdown_event.set()
@@ -339,7 +345,9 @@ async def graceful_shutdown_with_drain(  # noqa: PLR0917 (Dynamo's positional or
             log.exception("runtime.shutdown() failed")
             stages.append(StageReport("runtime_shutdown", StageOutcome.FAILED,
                                       clock() - started, describe_failure(exc)))
-    result = ShutdownReport(tuple(stages), drained and left == 0, left)
+    # drained is a claim about every request admitted: none may have been lost on the way
+    result = ShutdownReport(tuple(stages), drained and left == 0 and ended.lost == 0, left,
+                            ended)
     log.info("dynamo worker shutdown: %s", result.to_dict())
     return result
 

@@ -170,3 +170,18 @@ def test_shutdown_rejects_bad_arguments_before_doing_anything() -> None:
         asyncio.run(graceful_shutdown_with_drain(StandInRuntime(log), [StandInEndpoint(log)],
                                                  gate="gate"))  # type: ignore[arg-type]
     assert log == []
+
+
+async def test_a_request_lost_during_the_drain_means_not_drained() -> None:
+    """The engine ended a stream by itself while the worker drained (an abort): the
+    worker is idle afterwards, yet it must not claim drained."""
+    log: list[str] = []
+    gate = AdmissionGate()
+    admission = gate.admit("r1")
+    shutdown = asyncio.get_running_loop().create_task(graceful_shutdown_with_drain(
+        StandInRuntime(log), [StandInEndpoint(log)], None, 0.01, gate=gate, budget_s=10.0))
+    await asyncio.sleep(0.05)
+    admission.finish(Outcome.LOST)
+    report = await asyncio.wait_for(shutdown, 5.0)
+    assert report.left_inflight == 0 and not report.drained
+    assert report.to_dict()["lost_requests"] == 1
