@@ -19,6 +19,9 @@ SGLANG_PYTEST := $(SGLANG_BIN)/pytest -W ignore::UserWarning -W ignore::Deprecat
 DYNAMO_VENV := .venv-dynamo
 DYNAMO_BIN  := $(DYNAMO_VENV)/bin
 DYNAMO_PYTEST := DYN_LOG=warn $(DYNAMO_BIN)/pytest --noconftest
+# NVIDIA's aiperf load generator (the field-report replay) pins pydantic 2.14 and pandas:
+# its own environment, plus an offline tokenizer under .cache/aiperf-hf.
+AIPERF_VENV := .venv-aiperf
 
 # The editable install is strict (a link tree under build/), so a new module needs a
 # reinstall; the list of source files is part of the install stamp.
@@ -48,6 +51,9 @@ $(SGLANG_VENV)/.installed: ci/setup_sglang_cpu.sh pyproject.toml $(VENV)/.source
 $(DYNAMO_VENV)/.installed: ci/setup_dynamo.sh pyproject.toml $(VENV)/.sources
 	DYNAMO_VENV=$(DYNAMO_VENV) bash ci/setup_dynamo.sh
 
+$(AIPERF_VENV)/.installed: ci/setup_aiperf.sh ci/aiperf_tokenizer.py
+	AIPERF_VENV=$(AIPERF_VENV) bash ci/setup_aiperf.sh
+
 # A real etcd server (Debian's etcd-server) for the etcd discovery tests, which start
 # their own on loopback with a temporary data directory.
 etcd:
@@ -66,7 +72,7 @@ typecheck: $(VENV)/.installed
 unit: $(VENV)/.installed
 	$(BIN)/pytest tests/unit
 
-integration: $(VENV)/.installed etcd
+integration: $(VENV)/.installed etcd $(AIPERF_VENV)/.installed
 	$(BIN)/pytest tests/integration --ignore=tests/integration/vllm \
 		--ignore=tests/integration/sglang
 
@@ -80,17 +86,17 @@ test-dynamo: $(DYNAMO_VENV)/.installed
 	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
 
 test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
-		$(DYNAMO_VENV)/.installed
+		$(DYNAMO_VENV)/.installed $(AIPERF_VENV)/.installed
 	$(BIN)/pytest --ignore=tests/integration/vllm --ignore=tests/integration/sglang
 	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
 	$(VLLM_BIN)/pytest tests/integration/vllm
 	$(SGLANG_PYTEST) tests/integration/sglang
 
 bench: etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
-		$(DYNAMO_VENV)/.installed
+		$(DYNAMO_VENV)/.installed $(AIPERF_VENV)/.installed
 	$(BIN)/python -m bench
 	$(VLLM_BIN)/python -m bench.vllm && $(VLLM_BIN)/python -m bench.shutdown && $(VLLM_BIN)/python -m bench.eta
 	$(SGLANG_BIN)/python -m bench.sglang
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(DYNAMO_VENV) $(AIPERF_VENV) .cache build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from bench import admission, discovery, drain_lag, victim
+from bench.replay import result as replay
 from bench.results_format import Result, run_and_report
 
 BENCHMARKS: dict[str, tuple[Callable[[], Result], Sequence[str]]] = {
@@ -18,6 +19,7 @@ BENCHMARKS: dict[str, tuple[Callable[[], Result], Sequence[str]]] = {
     admission.NAME: (admission.run, admission.HEADLINE),
     victim.NAME: (victim.run, victim.HEADLINE),
     discovery.NAME: (discovery.run, discovery.HEADLINE),
+    replay.NAME: (replay.run, replay.HEADLINE),
 }
 
 

@@ -100,7 +100,7 @@ async def _etcd_samples(samples: int, warmup: int) -> dict[str, list[float]]:
     return out
 
 
-def _dynamo_samples(samples: int) -> dict[str, list[float]] | str:
+def dynamo_samples(samples: int) -> dict[str, list[float]] | str:
     """Run the Dynamo part in the Dynamo environment; its samples, or why not."""
     if not DYNAMO_PYTHON.exists():
         return f"{DYNAMO_PYTHON} does not exist (run bash ci/setup_dynamo.sh)"
@@ -194,7 +194,7 @@ def run() -> Result:
     etcd = asyncio.run(_etcd_samples(SAMPLES, WARMUP))
     metrics: dict[str, float] = {}
     _add(metrics, "etcd", etcd)
-    dynamo = _dynamo_samples(DYNAMO_SAMPLES)
+    dynamo = dynamo_samples(DYNAMO_SAMPLES)
     notes = [
         "unregister_to_router: from just before unregister() to the moment the router "
         "stops listing the worker. unregister_call: how long unregister() itself took. "

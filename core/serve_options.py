@@ -6,14 +6,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quiesce.adapters.nvml import parse_devices
 from quiesce.adapters.sim import SimConfig
 from quiesce.errors import ConfigError
 from quiesce.probe import Role
 from quiesce.shutdown import ShutdownPolicy
+
+if TYPE_CHECKING:
+    from quiesce.adapters.etcd import EtcdConfig
 
 ENGINES = ("sim", "vllm", "sglang", "trtllm")
 MODEL_ENGINES = ("vllm", "sglang", "trtllm")
@@ -44,6 +49,12 @@ class WorkerOptions:
     name: str = "worker"
     publish_deletion_cost: bool = False
     require_gpu_quiet: tuple[int, ...] = ()
+    etcd: tuple[str, int] | None = None
+    """Register in etcd at ``(host, port)``; None: no discovery outside the process."""
+    etcd_prefix: str = "/quiesce/instances"
+    etcd_ttl_s: int = 10
+    advertise_url: str | None = None
+    """Where routers reach the serving API; default ``http://HOST:PORT`` as bound."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -71,9 +82,29 @@ class WorkerOptions:
         share = self.gpu_memory_utilization
         if share is not None and not 0 < share <= 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {share!r}")
-        # validate the time model and the budget before anything starts
+        # validate the time model, the budget and discovery before anything starts
         SimConfig(decode_step_s=self.decode_step_s)
         ShutdownPolicy(total_s=self.budget_s, cleanup_reserve_s=self.cleanup_reserve_s)
+        self._check_discovery()
+
+    def _check_discovery(self) -> None:
+        if self.advertise_url is not None and not self.advertise_url.startswith(
+                ("http://", "https://")):
+            raise ConfigError("advertise_url", f"must be an http(s) URL, got "
+                                               f"{self.advertise_url!r}")
+        if self.etcd is not None:
+            self.etcd_config(self.port)
+
+    def etcd_config(self, api_port: int) -> EtcdConfig:
+        """The :class:`~quiesce.adapters.etcd.EtcdConfig` of this worker, its address
+        from ``api_port`` unless ``advertise_url`` is set; ConfigError on a bad field."""
+        from quiesce.adapters.etcd import EtcdConfig  # noqa: PLC0415 (aetcd: lazily)
+
+        assert self.etcd is not None
+        host, port = self.etcd
+        address = self.advertise_url or f"http://{self.host}:{api_port}"
+        return EtcdConfig(worker=self.name, address=address, role=self.role.value,
+                          host=host, port=port, prefix=self.etcd_prefix, ttl_s=self.etcd_ttl_s)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +170,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "the cheapest worker to drain (in a Kubernetes pod; needs the "
                              "RBAC of deploy/kubernetes/worker.yaml; API errors are logged "
                              "and shown in status, never fatal)")
+    discovery = parser.add_argument_group(
+        "discovery", "where routers find the worker; without --etcd it registers nowhere "
+                     "outside the process (a router must be told its address)")
+    discovery.add_argument("--etcd", default=None, metavar="HOST:PORT",
+                           help="register in etcd under PREFIX/NAME with a lease kept alive; "
+                                "unregistering (the drain's first step) deletes the key. "
+                                "Needs quiesce[etcd]")
+    discovery.add_argument("--name", default=None,
+                           help="this worker's name in discovery (default: $POD_NAME, else "
+                                "HOSTNAME-PID)")
+    discovery.add_argument("--advertise-url", default=None, metavar="URL",
+                           help="the serving API's URL as routers should use it (default: "
+                                "http://HOST:PORT as bound)")
+    discovery.add_argument("--etcd-prefix", default=defaults.etcd_prefix,
+                           help="key prefix (%(default)s)")
+    discovery.add_argument("--etcd-ttl", type=int, default=defaults.etcd_ttl_s,
+                           help="lease TTL, whole seconds: how long a dead worker stays listed "
+                                "(%(default)s)")
 
 
 def parse_json_object(field: str, text: str | None) -> dict[str, Any] | None:
@@ -152,6 +201,21 @@ def parse_json_object(field: str, text: str | None) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise ConfigError(field, f"must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def parse_endpoint(field: str, text: str | None) -> tuple[str, int] | None:
+    """``HOST:PORT`` as ``(host, port)``, None for None; else a ConfigError on ``field``."""
+    if text is None:
+        return None
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(field, f"must be HOST:PORT with a port in 1..65535, got {text!r}")
+    return host, int(port)
+
+
+def default_name() -> str:
+    """``$POD_NAME`` (set it from the downward API), else ``HOSTNAME-PID``."""
+    return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
 
 
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
@@ -171,4 +235,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         admin_token_file=args.admin_token_file, decode_step_s=args.decode_step,
         publish_deletion_cost=args.publish_deletion_cost,
         require_gpu_quiet=(() if args.require_gpu_quiet is None
-                           else parse_devices(args.require_gpu_quiet)))
+                           else parse_devices(args.require_gpu_quiet)),
+        name=args.name if args.name is not None else default_name(),
+        etcd=parse_endpoint("etcd", args.etcd), etcd_prefix=args.etcd_prefix,
+        etcd_ttl_s=args.etcd_ttl, advertise_url=args.advertise_url)

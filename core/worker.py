@@ -38,10 +38,11 @@ import os
 import signal
 import sys
 
+from quiesce.adapters.etcd import EtcdDiscovery
 from quiesce.adapters.nvml import GpuQuietProbe, require_gpu_quiet
 from quiesce.adapters.sim import SimConfig, SimServing
 from quiesce.admission import AdmissionGate
-from quiesce.discovery import InMemoryDiscovery
+from quiesce.discovery import Discovery, DiscoveryUnavailable, InMemoryDiscovery
 from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError, EngineNotInstalled
 from quiesce.lifecycle import Lifecycle
@@ -120,6 +121,13 @@ def _trtllm_serving(options: WorkerOptions) -> ServingEngine:
                          dtype=options.dtype)
 
 
+def build_discovery(options: WorkerOptions, api_port: int) -> Discovery:
+    """etcd with ``--etcd`` (routers watch the prefix), else an in-process directory."""
+    if options.etcd is None:
+        return InMemoryDiscovery(options.name)
+    return EtcdDiscovery(options.etcd_config(api_port))
+
+
 def _emit(event: dict[str, object]) -> None:
     sys.stdout.write(json.dumps(event) + "\n")
     sys.stdout.flush()
@@ -173,9 +181,10 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
             log.warning("--require-gpu-quiet: the GPUs cannot be read, so the worker will "
                         "not report drained until they can: %s", why)
     gate = AdmissionGate()
-    lifecycle = Lifecycle(gate=gate, probe=probe,
-                          discovery=InMemoryDiscovery(options.name),
-                          config=drain_config)
+    api = EmbeddedServer(create_completions_app(serving, gate),
+                         bind_socket(options.host, options.port))
+    discovery = build_discovery(options, api.port)
+    lifecycle = Lifecycle(gate=gate, probe=probe, discovery=discovery, config=drain_config)
     shutdown = Shutdown(lifecycle, serving.control,
                         ShutdownPolicy(total_s=options.budget_s,
                                        cleanup_reserve_s=options.cleanup_reserve_s),
@@ -184,8 +193,6 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     if early:
         shutdown.on_signal(early[0])
 
-    api = EmbeddedServer(create_completions_app(serving, gate),
-                         bind_socket(options.host, options.port))
     publisher = DeletionCostPublisher(lifecycle, pod) if pod is not None else None
 
     def worker_status() -> dict[str, object]:  # the CLI polls status every 50 ms
@@ -214,6 +221,8 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
         await asyncio.gather(api.stop(), admin.stop())
 
     report = await shutdown.run(close=close)
+    if isinstance(discovery, EtcdDiscovery):
+        await discovery.close()  # unregistered by the drain (or its lease expires)
     if gpu_quiet is not None:
         await gpu_quiet.aclose()  # shuts NVML down and ends its thread
     _emit({"event": "exit", **report.to_dict()})
@@ -224,7 +233,8 @@ def serve_main(args: argparse.Namespace) -> int:
     """Entry of ``quiesce serve``; configuration errors exit 2 with one clear line."""
     try:
         code = asyncio.run(run_worker(options_from_args(args)))
-    except (ConfigError, EngineNotInstalled, OSError) as exc:
+    except (ConfigError, EngineNotInstalled, DiscoveryUnavailable, OSError) as exc:
+        # DiscoveryUnavailable: the first registration failed; nothing was served
         print(f"quiesce serve: {exc}", file=sys.stderr)
         return 2
     if args.engine == "vllm":

@@ -10,19 +10,17 @@ reported, still before SIGKILL.
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
-import time
-from dataclasses import dataclass
 
 import pytest
 
 from tests.integration.worker_process import (
+    Deletion,
     StreamResult,
     Worker,
+    kubelet_delete,
+    prestop_command,
     start_worker,
     stream_completion,
-    worker_env,
 )
 
 pytestmark = pytest.mark.slow
@@ -33,29 +31,9 @@ WORKER_ARGS = ("--decode-step", "0.01", "--router-grace", "0.3", "--budget", "3"
                "--reserve", "1")
 
 
-@dataclass
-class Deletion:
-    exit_code: int | None  # None: still running at the grace period, SIGKILLed
-    prestop_code: int
-    report: dict[str, object] | None  # the worker's own shutdown report
-
-
-async def kubelet_delete(worker: Worker) -> Deletion:
+async def delete(worker: Worker) -> Deletion:
     """preStop, then SIGTERM, then SIGKILL once the grace period is over."""
-    start = time.monotonic()
-    prestop = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "quiesce", "prestop", "--url", worker.admin_url,
-        "--grace-period", str(GRACE_S), "--margin", str(MARGIN_S),
-        env=worker_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        prestop_code = await asyncio.wait_for(prestop.wait(), timeout=GRACE_S)
-    except asyncio.TimeoutError:
-        prestop.kill()
-        prestop_code = -1
-    worker.signal()
-    left = max(0.0, GRACE_S - (time.monotonic() - start))
-    code, report = await asyncio.to_thread(worker.finish, left)
-    return Deletion(code, prestop_code, report)
+    return await kubelet_delete(worker, GRACE_S, prestop_command(worker, GRACE_S, MARGIN_S))
 
 
 @pytest.mark.parametrize("run", [1, 2])
@@ -68,7 +46,7 @@ async def test_scale_down_under_streaming_load_loses_nothing(run: int) -> None:
         streams += [asyncio.create_task(stream_completion(
             worker.url, 1, kv={"do_remote_decode": True}))]
         await asyncio.wait_for(started.wait(), timeout=30)
-        deletion = await kubelet_delete(worker)
+        deletion = await delete(worker)
         results: list[StreamResult] = await asyncio.gather(*streams)
     assert deletion.exit_code == 0, "the worker had to be SIGKILLed or exited forced"
     assert deletion.prestop_code == 0
@@ -84,7 +62,7 @@ async def test_kv_never_pulled_is_forced_and_reported_before_sigkill() -> None:
                                                           "sim_never_pulled": True})
         assert held.done
         assert worker.status()["state"] == "serving"
-        deletion = await kubelet_delete(worker)
+        deletion = await delete(worker)
     assert deletion.prestop_code == 1, "prestop must say the drain did not finish"
     assert deletion.exit_code == 3, "forced shutdown (exit 3) before SIGKILL"
     assert deletion.report is not None

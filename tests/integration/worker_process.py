@@ -14,7 +14,8 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -191,3 +192,43 @@ def signal_every_process(pid: int, sig: signal.Signals = signal.SIGTERM) -> list
             os.kill(target, sig)
             signalled.append(target)
     return signalled
+
+
+# -- how the kubelet deletes a pod ------------------------------------------------------
+
+
+@dataclass
+class Deletion:
+    exit_code: int | None  # None: still running at the grace period, SIGKILLed
+    prestop_code: int | None  # None: no preStop hook; -1: the hook ran past the grace period
+    report: dict[str, object] | None  # the worker's own shutdown report
+
+
+async def kubelet_delete(worker: Worker, grace_s: float,
+                         prestop: Sequence[str] | None) -> Deletion:
+    """Delete ``worker``'s pod as the kubelet does: run the preStop hook ``prestop`` (a
+    command; ``None``: no hook) for at most ``grace_s``, then SIGTERM to the main process,
+    then SIGKILL to every process once ``grace_s`` (terminationGracePeriodSeconds) has
+    passed since the deletion began."""
+    start = time.monotonic()
+    prestop_code: int | None = None
+    if prestop is not None:
+        hook = await asyncio.create_subprocess_exec(
+            *prestop, env=worker_env(), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        try:
+            prestop_code = await asyncio.wait_for(hook.wait(), timeout=grace_s)
+        except asyncio.TimeoutError:
+            hook.kill()
+            await hook.wait()
+            prestop_code = -1
+    worker.signal()
+    left = max(0.0, grace_s - (time.monotonic() - start))
+    code, report = await asyncio.to_thread(worker.finish, left)
+    return Deletion(code, prestop_code, report)
+
+
+def prestop_command(worker: Worker, grace_s: float, margin_s: float) -> list[str]:
+    """The worker's preStop hook, ``quiesce prestop``, as a pod spec would run it."""
+    return [sys.executable, "-m", "quiesce", "prestop", "--url", worker.admin_url,
+            "--grace-period", str(grace_s), "--margin", str(margin_s)]

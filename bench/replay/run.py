@@ -1,0 +1,158 @@
+"""One replay: a trace driven by aiperf through the router while workers are scaled down.
+
+:func:`replay` runs one policy end to end:
+
+1. writes the two-phase mooncake trace (:func:`bench.replay.aiperf.write_trace`);
+2. starts the cluster (:class:`bench.replay.cluster.Cluster`: etcd, ``workers``
+   reference workers under the policy, the router);
+3. starts aiperf against the router (its own process tree) and waits for the router's
+   first request: the trace's time zero, give or take aiperf's first dispatch;
+4. at each planned moment of the load, scales one worker down (the victim: the first
+   serving worker by name, or the one with the lowest drain cost) with the planned
+   delivery, and waits until its process is gone;
+5. waits for aiperf to finish, then stops the remaining workers;
+6. judges every request from aiperf's raw export by reading its stream to the end
+   (:func:`bench.replay.aiperf.read_outcomes`), and keeps aiperf's own count beside it.
+
+Failure behaviour: a worker or aiperf that cannot start raises (the run is void, never
+counted as a pass); a scale-down that finds no worker to remove raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.replay import aiperf
+from bench.replay.cluster import DELIVERIES, Cluster, ScaleDown
+
+log = logging.getLogger("bench.replay")
+
+MODEL = "quiesce"
+"""The served model name of the simulated workers (what aiperf sends)."""
+LOAD_START_TIMEOUT_S = 300.0
+"""How long aiperf may take to send its first request (it synthesizes the dataset and
+starts its services first: 10-30 s here)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayConfig:
+    """What one replay does. ``scale_downs``: (seconds into the load, delivery)."""
+
+    phases: tuple[aiperf.Phase, ...] = (aiperf.Phase(8.0, 90.0), aiperf.Phase(0.2, 30.0))
+    workers: int = 4
+    scale_downs: tuple[tuple[float, str], ...] = ((25.0, "kubelet"), (55.0, "group"))
+    decode_step_s: float = 0.02
+    seed: int = 1
+    trace_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Passed to :func:`bench.replay.aiperf.write_trace` (output lengths and the like)."""
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ValueError("phases: at least one")
+        if len(self.scale_downs) >= self.workers:
+            raise ValueError(f"scale_downs: {len(self.scale_downs)} would leave no worker "
+                             f"of {self.workers}")
+        load_s = sum(phase.duration_s for phase in self.phases)
+        for at, delivery in self.scale_downs:
+            if delivery not in DELIVERIES:
+                raise ValueError(f"scale_downs: unknown delivery {delivery!r}; one of "
+                                 f"{DELIVERIES}")
+            if not 0 <= at < load_s:
+                raise ValueError(f"scale_downs: {at} s is outside the load (0..{load_s} s)")
+
+    @property
+    def load_s(self) -> float:
+        return sum(phase.duration_s for phase in self.phases)
+
+
+@dataclasses.dataclass
+class PolicyRun:
+    """What one replay found."""
+
+    policy: str
+    victim_by_cost: bool
+    sent: int
+    failed: int
+    failures: dict[str, int]
+    aiperf_rc: int | None
+    aiperf_own: dict[str, Any]
+    scale_downs: list[ScaleDown]
+    end: list[ScaleDown]
+    router: dict[str, object]
+    wall_s: float
+
+    def to_dict(self) -> dict[str, object]:
+        return {"policy": self.policy, "victim_by_cost": self.victim_by_cost,
+                "sent": self.sent, "failed": self.failed, "failures": self.failures,
+                "aiperf_rc": self.aiperf_rc, "aiperf_own_count": self.aiperf_own,
+                "scale_downs": [record.to_dict() for record in self.scale_downs],
+                "end": [record.to_dict() for record in self.end],
+                "router": self.router, "wall_s": round(self.wall_s, 1)}
+
+
+async def _scale_downs(cluster: Cluster, config: ReplayConfig, by_cost: bool,
+                       load_began: float) -> list[ScaleDown]:
+    records = []
+    for at, delivery in config.scale_downs:
+        await asyncio.sleep(max(0.0, load_began + at - time.monotonic()))
+        victim = await cluster.choose_victim(by_cost)
+        log.info("replay: %.1f s into the load, scaling down %s (%s)",
+                 time.monotonic() - load_began, victim, delivery)
+        records.append(await cluster.scale_down(victim, delivery))
+    return records
+
+
+async def replay(policy: str, config: ReplayConfig, workdir: Path, *,
+                 victim_by_cost: bool = False,
+                 failed_request_threshold: float | None = None) -> PolicyRun:
+    """Run the replay once under ``policy`` (see :data:`bench.replay.cluster.POLICIES`);
+    aiperf's artifacts go to ``workdir``."""
+    started = time.monotonic()
+    trace = workdir / "trace.jsonl"
+    aiperf.write_trace(trace, config.phases, seed=config.seed, **config.trace_options)
+    with Cluster(policy, config.workers, config.decode_step_s) as cluster:
+        async with cluster.routed() as router:
+            load = asyncio.create_task(aiperf.arun_aiperf(
+                router.url, MODEL, trace, workdir / "aiperf",
+                failed_request_threshold=failed_request_threshold,
+                timeout_s=LOAD_START_TIMEOUT_S + config.load_s * 3 + 120))
+            first = asyncio.create_task(router.stats.first_request.wait())
+            await asyncio.wait({load, first}, timeout=LOAD_START_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if not first.done():
+                first.cancel()
+                load.cancel()  # kills aiperf's process group
+                raise RuntimeError(f"aiperf sent no request within {LOAD_START_TIMEOUT_S} s;"
+                                   f" see {workdir / 'aiperf' / aiperf.LOG_NAME}")
+            scale_downs = await _scale_downs(cluster, config, victim_by_cost,
+                                             time.monotonic())
+            run = await load
+            end = await cluster.stop_all()
+            stats = router.stats.to_dict()
+    outcomes = aiperf.read_outcomes(run.raw_export)
+    summary = aiperf.summarize(outcomes)
+    return PolicyRun(policy=policy, victim_by_cost=victim_by_cost, sent=summary["sent"],
+                     failed=summary["failed"], failures=summary["failures"],
+                     aiperf_rc=run.returncode, aiperf_own=_aiperf_own(run),
+                     scale_downs=scale_downs, end=end, router=stats,
+                     wall_s=time.monotonic() - started)
+
+
+def _aiperf_own(run: aiperf.AiperfRun) -> dict[str, Any]:
+    """aiperf's own counts, or why there are none."""
+    try:
+        return dataclasses.asdict(aiperf.read_aiperf_summary(run.artifact_dir))
+    except (OSError, ValueError) as exc:
+        return {"unreadable": repr(exc)}
+
+
+def unregister_to_router_ms(runs: Sequence[PolicyRun]) -> list[float]:
+    """Every scale-down's unregister → router time, over ``runs``."""
+    return [value for run in runs for record in run.scale_downs
+            if (value := record.unregister_to_router_ms) is not None]
