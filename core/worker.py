@@ -207,7 +207,13 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
                            bind_socket(options.admin_host, options.admin_port))
     await api.start()
     await admin.start()
-    await lifecycle.start()
+    try:
+        await lifecycle.start()
+    except DiscoveryUnavailable:  # never listed, nothing admitted: stop what was started
+        log.error("the first registration failed; stopping the engine and exiting")
+        await asyncio.gather(api.stop(), admin.stop())
+        await serving.control.shutdown()
+        raise
     _emit({"event": "ready", "port": api.port, "admin_port": admin.port, "pid": os.getpid(),
            "signal_guard": guards.to_dict()})
 

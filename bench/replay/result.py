@@ -24,6 +24,7 @@ process (:func:`bench.discovery.dynamo_samples`; the replay itself routes over e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -47,6 +48,13 @@ RUNS: tuple[tuple[str, str, bool], ...] = (
     ("quiesce_lowest_cost", "quiesce", True),
 )
 """(name in the results, worker policy, victim by drain cost)."""
+
+
+def _jsonable(value: object) -> object:
+    """A trace option for the JSON: a dataclass (a length distribution) as its fields."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"kind": type(value).__name__, **dataclasses.asdict(value)}
+    return value
 
 
 def _metrics(runs: dict[str, PolicyRun]) -> dict[str, float]:
@@ -101,7 +109,8 @@ def run(config: ReplayConfig | None = None, names: Sequence[str] | None = None) 
                     "workers": config.workers,
                     "scale_downs": [list(s) for s in config.scale_downs],
                     "decode_step_s": config.decode_step_s, "seed": config.seed,
-                    "trace_options": config.trace_options,
+                    "trace_options": {key: _jsonable(value)
+                                      for key, value in config.trace_options.items()},
                     "failed_request_threshold": FAILED_REQUEST_THRESHOLD,
                     "dynamo_samples": DYNAMO_SAMPLES,
                     "runs": {name: r.to_dict() for name, r in runs.items()}},

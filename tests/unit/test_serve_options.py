@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -166,3 +167,39 @@ def test_sglang_needs_a_model_and_its_package(capsys: pytest.CaptureFixture[str]
                  "--admin-port", "0"])
     assert code == 2  # the core environment has no sglang: named, nothing started
     assert "'sglang'" in capsys.readouterr().err
+
+
+def test_etcd_discovery_options_reach_the_worker_options(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "decode-7f9c")
+    options = parse("--etcd", "etcd.svc:2379", "--etcd-prefix", "/llm/workers",
+                    "--etcd-ttl", "6", "--role", "decode", "--port", "8100")
+    assert (options.etcd, options.name) == (("etcd.svc", 2379), "decode-7f9c")
+    config = options.etcd_config(8100)
+    assert (config.worker, config.address, config.role, config.prefix, config.ttl_s) == (
+        "decode-7f9c", "http://127.0.0.1:8100", "decode", "/llm/workers", 6)
+    advertised = parse("--etcd", "127.0.0.1:2379", "--name", "w1",
+                       "--advertise-url", "http://10.0.0.7:8000")
+    assert advertised.etcd_config(0).address == "http://10.0.0.7:8000"
+    assert parse().etcd is None  # no --etcd: registered nowhere outside the process
+
+
+@pytest.mark.parametrize(("argv", "field"), [
+    (("--etcd", "etcd.svc"), "etcd"),
+    (("--etcd", "etcd.svc:0"), "etcd"),
+    (("--etcd", ":2379"), "etcd"),
+    (("--etcd", "h:2379", "--name", "a/b"), "worker"),
+    (("--etcd", "h:2379", "--etcd-prefix", "no-slash"), "prefix"),
+    (("--etcd", "h:2379", "--etcd-ttl", "0"), "ttl_s"),
+    (("--advertise-url", "10.0.0.7:8000"), "advertise_url"),
+])
+def test_bad_discovery_options_name_their_field(argv: tuple[str, ...], field: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse(*argv)
+    assert raised.value.field == field
+
+
+def test_the_worker_name_defaults_to_host_and_pid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POD_NAME", raising=False)
+    name = parse().name
+    assert name.endswith(f"-{os.getpid()}") and len(name) > len(str(os.getpid())) + 1
