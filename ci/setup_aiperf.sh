@@ -47,4 +47,5 @@ if [ ! -f "$STAMP" ] || [ "$REPO/ci/setup_aiperf.sh" -nt "$STAMP" ]; then
     touch "$STAMP"
 fi
 "$PY" "$REPO/ci/aiperf_tokenizer.py" --hf-home "$AIPERF_HF_HOME"
+touch "$STAMP"  # newer than the tokenizer script too: make does not redo this every time
 echo "setup_aiperf: ready ($("$PY" -m pip --disable-pip-version-check show aiperf 2>/dev/null | grep ^Version))"

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import socket
+import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,9 @@ ENGINES = ("sim", "vllm", "sglang", "trtllm")
 MODEL_ENGINES = ("vllm", "sglang", "trtllm")
 """Engines that load a model (``--model`` required)."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+ETCD_OPTIONS = {"worker": "name", "prefix": "etcd_prefix", "ttl_s": "etcd_ttl",
+                "host": "etcd", "port": "etcd", "address": "advertise_url"}
+"""EtcdConfig's fields → the ``quiesce serve`` options they come from."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,23 +92,30 @@ class WorkerOptions:
         self._check_discovery()
 
     def _check_discovery(self) -> None:
-        if self.advertise_url is not None and not self.advertise_url.startswith(
-                ("http://", "https://")):
-            raise ConfigError("advertise_url", f"must be an http(s) URL, got "
-                                               f"{self.advertise_url!r}")
+        url = self.advertise_url
+        if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
+                                or not urllib.parse.urlsplit(url).hostname):
+            raise ConfigError("advertise_url", f"must be an http(s) URL with a host, got "
+                                               f"{url!r}")
         if self.etcd is not None:
             self.etcd_config(self.port)
 
     def etcd_config(self, api_port: int) -> EtcdConfig:
         """The :class:`~quiesce.adapters.etcd.EtcdConfig` of this worker, its address
-        from ``api_port`` unless ``advertise_url`` is set; ConfigError on a bad field."""
+        from ``api_port`` unless ``advertise_url`` is set; ConfigError naming the option
+        (``name``, ``etcd_prefix``, ``etcd_ttl``...) on a bad value."""
         from quiesce.adapters.etcd import EtcdConfig  # noqa: PLC0415 (aetcd: lazily)
 
         assert self.etcd is not None
         host, port = self.etcd
         address = self.advertise_url or f"http://{self.host}:{api_port}"
-        return EtcdConfig(worker=self.name, address=address, role=self.role.value,
-                          host=host, port=port, prefix=self.etcd_prefix, ttl_s=self.etcd_ttl_s)
+        try:
+            return EtcdConfig(worker=self.name, address=address, role=self.role.value,
+                              host=host, port=port, prefix=self.etcd_prefix,
+                              ttl_s=self.etcd_ttl_s)
+        except ConfigError as exc:  # name the option the operator typed
+            option = ETCD_OPTIONS.get(exc.field, exc.field)
+            raise ConfigError(option, str(exc).split(": ", 1)[-1]) from None
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:

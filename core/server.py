@@ -308,9 +308,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class EmbeddedServer(uvicorn.Server):
     """A uvicorn server inside the worker's own loop; signals are left to quiesce.shutdown."""
 
-    def __init__(self, app: Any, sock: socket.socket, graceful_s: float = 5.0) -> None:
+    def __init__(self, app: Any, sock: socket.socket, graceful_s: float = 5.0,
+                 keep_alive_s: int = 5) -> None:
         super().__init__(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                        timeout_graceful_shutdown=max(1, round(graceful_s))))
+                                        timeout_graceful_shutdown=max(1, round(graceful_s)),
+                                        timeout_keep_alive=keep_alive_s))
         self.sock = sock
         self._task: asyncio.Task[None] | None = None
 

@@ -128,6 +128,29 @@ def build_discovery(options: WorkerOptions, api_port: int) -> Discovery:
     return EtcdDiscovery(options.etcd_config(api_port))
 
 
+async def _start_or_stop(lifecycle: Lifecycle, serving: ServingEngine,
+                         *servers: EmbeddedServer) -> None:
+    """Register and open admission; if the first registration fails, stop the servers, the
+    discovery client and the engine, and raise DiscoveryUnavailable (exit code 2)."""
+    try:
+        await lifecycle.start()
+    except DiscoveryUnavailable:  # never listed: stop what was started
+        log.error("the first registration failed; stopping the engine and exiting")
+        await asyncio.gather(*(server.stop() for server in servers))
+        if isinstance(lifecycle.discovery, EtcdDiscovery):
+            await lifecycle.discovery.close()
+        await serving.control.shutdown()
+        raise
+
+
+def _check_installed(options: WorkerOptions) -> None:
+    """EngineNotInstalled for an optional package an option needs and that is missing."""
+    if options.require_gpu_quiet and importlib.util.find_spec("pynvml") is None:
+        raise EngineNotInstalled("nvml", "nvidia-ml-py", "nvml")
+    if options.etcd is not None and importlib.util.find_spec("aetcd") is None:
+        raise EngineNotInstalled("etcd", "aetcd", "etcd")
+
+
 def _emit(event: dict[str, object]) -> None:
     sys.stdout.write(json.dumps(event) + "\n")
     sys.stdout.flush()
@@ -164,8 +187,7 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
                  early: list[signal.Signals]) -> int:
     # Configuration errors surface before the (slow) engine start.
     pod = PodIdentity.from_environment() if options.publish_deletion_cost else None
-    if options.require_gpu_quiet and importlib.util.find_spec("pynvml") is None:
-        raise EngineNotInstalled("nvml", "nvidia-ml-py", "nvml")
+    _check_installed(options)
     drain_config = DrainConfig(router_grace_s=options.router_grace_s)
     serving = build_serving(options)
     await serving.start()
@@ -207,13 +229,7 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
                            bind_socket(options.admin_host, options.admin_port))
     await api.start()
     await admin.start()
-    try:
-        await lifecycle.start()
-    except DiscoveryUnavailable:  # never listed, nothing admitted: stop what was started
-        log.error("the first registration failed; stopping the engine and exiting")
-        await asyncio.gather(api.stop(), admin.stop())
-        await serving.control.shutdown()
-        raise
+    await _start_or_stop(lifecycle, serving, api, admin)
     _emit({"event": "ready", "port": api.port, "admin_port": admin.port, "pid": os.getpid(),
            "signal_guard": guards.to_dict()})
 

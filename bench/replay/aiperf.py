@@ -477,12 +477,14 @@ MALFORMED_EVENT = "malformed_event"
 NO_FINISH_REASON = "no_finish_reason"
 SHORT_OUTPUT = "short_output"
 """Fewer completion tokens than the request's ``max_tokens``."""
+NO_MAX_TOKENS = "no_max_tokens"
+"""The request carried no ``max_tokens``: whether its answer was whole cannot be told."""
 NO_DONE = "no_done"
 """The stream did not end with ``data: [DONE]``."""
 CLIENT_ERROR = "client_error"
 """aiperf recorded an error (timeout, transport error...) and nothing else was wrong."""
 REASONS_IN_ORDER = (NO_RESPONSE, "http_*", ERROR_EVENT, MALFORMED_EVENT, NO_FINISH_REASON,
-                    SHORT_OUTPUT, NO_DONE, CLIENT_ERROR)
+                    NO_MAX_TOKENS, SHORT_OUTPUT, NO_DONE, CLIENT_ERROR)
 """Every reason that applies is kept; the first in this order is the outcome's ``reason``
 (``http_*`` is ``http_<status>``, e.g. ``http_503``)."""
 
@@ -676,7 +678,9 @@ def judge_record(record: Mapping[str, Any], *, expect_max_tokens: bool = True) -
         judged += [r for r in (ERROR_EVENT, MALFORMED_EVENT) if r in stream.reasons]
         if stream.finish_reason is None:
             judged.append(NO_FINISH_REASON)
-        if expect_max_tokens and max_tokens is not None and (completion_tokens or 0) < max_tokens:
+        if expect_max_tokens and max_tokens is None:
+            judged.append(NO_MAX_TOKENS)  # cannot tell a complete answer: fail closed
+        elif expect_max_tokens and max_tokens is not None and (completion_tokens or 0) < max_tokens:
             judged.append(SHORT_OUTPUT)
             details.append(f"{completion_tokens} of {max_tokens} tokens ({token_source})")
         if not stream.done:

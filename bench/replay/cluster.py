@@ -5,7 +5,8 @@
 - workers: ``quiesce serve --engine sim --etcd HOST:PORT --name worker-N`` processes
   (:func:`tests.integration.worker_process.start_worker`), each registering under the
   prefix with a lease; the shutdown policy is their command line (:data:`POLICIES`).
-- router: :class:`bench.replay.router.Router`, in this process, following the prefix.
+- router: :mod:`bench.replay.router` in its own process (:class:`RouterProcess`),
+  following the prefix.
 
 A scale-down (:meth:`Cluster.scale_down`) removes one worker the way the platform does
 (:data:`DELIVERIES`) and records what happened: when the worker began to unregister (its
@@ -19,16 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.replay.router import Router
 from quiesce.adapters.etcd.local import LocalEtcd
 from tests.integration.worker_process import (
     Worker,
@@ -40,14 +45,22 @@ from tests.integration.worker_process import (
 log = logging.getLogger("bench.replay.cluster")
 
 PREFIX = "/quiesce/replay"
-GRACE_S = 60.0
+GRACE_S = 120.0
 """terminationGracePeriodSeconds of every worker's pod: SIGKILL this long after the
 deletion began."""
-PRESTOP_MARGIN_S = 10.0
-"""What ``quiesce prestop`` leaves of the grace period for the SIGTERM shutdown."""
+PRESTOP_MARGIN_S = 55.0
+"""What ``quiesce prestop`` leaves of the grace period for the SIGTERM shutdown: more
+than the worker's budget (deploy/kubernetes/worker.yaml's rule), so a drain the hook
+could not finish still gets its whole budget before SIGKILL."""
+QUIESCE_BUDGET_S = 50.0
+"""The quiesce worker's shutdown budget: ample for the trace's longest stream (30 s)."""
 FIXED_GRACE_S = 5.0
 """The field report's policy: unregister, keep serving this long, abort the rest."""
 STATUS_POLL_S = 0.02
+ROUTER_START_S = 30.0
+REPO = Path(__file__).resolve().parents[2]
+UNKNOWN_COST = 2**31 - 1
+"""An unreadable drain cost: the highest, as the worker itself publishes it."""
 
 POLICIES: dict[str, tuple[str, ...]] = {
     # The field report: unregister, keep serving (routers may still send) for a fixed 5 s,
@@ -57,8 +70,7 @@ POLICIES: dict[str, tuple[str, ...]] = {
                     "--reserve", "0.5"),
     # quiesce: unregister, a short router grace, wait until every admitted request ended
     # (and the engine says quiescent), within a budget that fits the grace period.
-    "quiesce": ("--router-grace", "1", "--budget", str(GRACE_S - PRESTOP_MARGIN_S),
-                "--reserve", "5"),
+    "quiesce": ("--router-grace", "1", "--budget", str(QUIESCE_BUDGET_S), "--reserve", "5"),
 }
 PRESTOP_HOOK = {"fixed_grace": False, "quiesce": True}
 """Whether the policy's pod has the preStop hook ``quiesce prestop``."""
@@ -74,8 +86,12 @@ class ScaleDown:
 
     victim: str
     delivery: str
+    at_s: float
+    """When it began, in seconds into the load."""
     began: float
     """Wall clock when the platform began removing it (preStop or signal)."""
+    costs: dict[str, int] | None = None
+    """Every serving worker's drain cost (ms) when the victim was chosen by it."""
     drain_since: float | None = None
     """Wall clock at which the worker entered ``draining`` (right before unregistering)."""
     router_removed: float | None = None
@@ -94,7 +110,8 @@ class ScaleDown:
 
     def to_dict(self) -> dict[str, object]:
         report = self.report or {}
-        return {"victim": self.victim, "delivery": self.delivery,
+        return {"victim": self.victim, "delivery": self.delivery, "at_s": round(self.at_s, 3),
+                "drain_costs_ms": self.costs,
                 "removal_s": (None if self.ended is None
                               else round(self.ended - self.began, 3)),
                 "exit_code": self.exit_code, "prestop_code": self.prestop_code,
@@ -105,6 +122,74 @@ class ScaleDown:
                 "aborted_requests": report.get("aborted_requests"),
                 "drain_s": report.get("elapsed_s"),
                 "requests_since_signal": report.get("requests")}
+
+
+class RouterProcess:
+    """The replay's router (:mod:`bench.replay.router`) as its own process, as routers
+    run; :meth:`stats` reads its counters and the moments it dropped each worker."""
+
+    def __init__(self, process: subprocess.Popen[str], port: int) -> None:
+        self.process = process
+        self.url = f"http://127.0.0.1:{port}"
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, etcd: str, prefix: str) -> Iterator[RouterProcess]:
+        """Start it; on the way out SIGTERM (then SIGKILL after 10 s) its process group."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "bench.replay.router", "--etcd", etcd, "--prefix", prefix],
+            cwd=REPO, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        ready: list[dict[str, Any]] = []
+        seen = threading.Event()
+
+        def read() -> None:  # a thread, so that a full pipe never blocks the router
+            assert process.stdout is not None
+            for line in process.stdout:
+                if '"ready"' in line and not ready:
+                    ready.append(json.loads(line))
+                    seen.set()
+            seen.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            seen.wait(ROUTER_START_S)
+            if not ready:
+                raise RuntimeError(f"the router did not start within {ROUTER_START_S} s "
+                                   f"(exit code {process.poll()})")
+            yield cls(process, int(ready[0]["port"]))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    async def stats(self) -> dict[str, Any]:
+        """``GET /router/stats``: picks, retried, cut, no_worker, first_request_at,
+        removed_at and last_pick_at (wall clock), listed."""
+        async with httpx.AsyncClient(timeout=10) as client:
+            answer = await client.get(f"{self.url}/router/stats")
+            answer.raise_for_status()
+            stats: dict[str, Any] = answer.json()
+            return stats
+
+    async def until(self, check: Callable[[dict[str, Any]], bool], what: str,
+                    timeout_s: float, done: Callable[[], bool] = lambda: False
+                    ) -> dict[str, Any]:
+        """Poll :meth:`stats` (every 20 ms) until ``check`` holds; RuntimeError after
+        ``timeout_s``, or as soon as ``done()`` says waiting is pointless."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = await self.stats()
+            if check(stats):
+                return stats
+            if done() or time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"{what}: not seen within {timeout_s} s (router exit "
+                                   f"code {self.process.poll()}); last stats {stats}")
+            await asyncio.sleep(STATUS_POLL_S)
 
 
 class Cluster:
@@ -119,15 +204,17 @@ class Cluster:
         self.policy = policy
         self.size = size
         self.decode_step_s = decode_step_s
-        self.etcd = LocalEtcd(name="quiesce-replay")
+        self.etcd: LocalEtcd  # started by __enter__
         self.workers: dict[str, Worker] = {}
-        self.router: Router | None = None
+        self.router: RouterProcess | None = None
+        self._removing: set[str] = set()
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> Cluster:
         try:
-            self.etcd.start_sync(timeout_s=15)
+            self.etcd = LocalEtcd(name="quiesce-replay")
             self._stack.callback(self.etcd.close)
+            self.etcd.start_sync(timeout_s=15)
             endpoint = f"{self.etcd.host}:{self.etcd.port}"
             for index in range(self.size):
                 name = f"worker-{index}"
@@ -143,22 +230,23 @@ class Cluster:
         self._stack.close()  # workers first (SIGKILL if still running), then etcd
 
     @contextlib.asynccontextmanager
-    async def routed(self) -> AsyncIterator[Router]:
-        """The router, following etcd, once it lists every worker."""
-        router = Router(self.etcd.host, self.etcd.port, PREFIX)
-        await router.start()
-        self.router = router
-        try:
-            for name in self.workers:
-                if not await router.watcher.wait_for(name, True, timeout_s=15):
-                    raise RuntimeError(f"the router does not list {name} after 15 s")
-            yield router
-        finally:
-            await router.stop()
-            self.router = None
+    async def routed(self) -> AsyncIterator[RouterProcess]:
+        """The router in its own process, following etcd, once it lists every worker."""
+        with RouterProcess.start(f"{self.etcd.host}:{self.etcd.port}", PREFIX) as router:
+            self.router = router
+            try:
+                await router.until(lambda stats: set(self.workers) <= set(stats["listed"]),
+                                   "the router lists every worker", ROUTER_START_S)
+                yield router
+            finally:
+                self.router = None
+
+    def alive(self) -> list[str]:
+        return [name for name, worker in self.workers.items() if worker.process.poll() is None]
 
     def serving(self) -> list[str]:
-        return [name for name, worker in self.workers.items() if worker.process.poll() is None]
+        """Alive and not being scaled down: the candidates of the next scale-down."""
+        return [name for name in self.alive() if name not in self._removing]
 
     async def drain_costs(self) -> dict[str, int]:
         """Each serving worker's drain cost (ms) from its status; unreadable: the worst."""
@@ -166,30 +254,38 @@ class Cluster:
         for name in self.serving():
             try:
                 status = await asyncio.to_thread(self.workers[name].status)
-                cost = status.get("drain_cost")
-                costs[name] = int(cost) if isinstance(cost, (int, float)) else 2**31 - 1
             except (httpx.HTTPError, OSError):
-                costs[name] = 2**31 - 1
+                status = {}
+            cost = status.get("drain_cost")  # {"value": ms, "unit": "ms", "source", ...}
+            value = cost.get("value") if isinstance(cost, dict) else None
+            costs[name] = int(value) if isinstance(value, (int, float)) else UNKNOWN_COST
+        log.info("drain costs (ms): %s", costs)
         return costs
 
-    async def choose_victim(self, by_cost: bool) -> str:
-        """The worker a scale-down removes: the first serving one by name (a ReplicaSet
-        choosing among equally ready pods), or the one with the lowest drain cost (what
+    async def choose_victim(self, by_cost: bool) -> tuple[str, dict[str, int] | None]:
+        """The worker a scale-down removes (from then on it is no candidate), and the drain
+        costs it was chosen by: the first serving one by name (a ReplicaSet choosing among
+        equally ready pods; no costs), or the one with the lowest drain cost (what
         ``--publish-deletion-cost`` makes it do)."""
+        costs = await self.drain_costs() if by_cost else None
         serving = self.serving()
         if not serving:
             raise RuntimeError("no worker left to scale down")
-        if not by_cost:
-            return serving[0]
-        costs = await self.drain_costs()
-        return min(serving, key=lambda name: (costs[name], name))
+        victim = (min(serving, key=lambda name: (costs.get(name, UNKNOWN_COST), name))
+                  if costs is not None else serving[0])
+        self._removing.add(victim)
+        return victim, costs
 
-    async def scale_down(self, victim: str, delivery: str) -> ScaleDown:
-        """Remove ``victim`` by ``delivery``; returns once its process is gone."""
+    async def scale_down(self, victim: str, delivery: str, at_s: float,
+                         costs: dict[str, int] | None = None) -> ScaleDown:
+        """Remove ``victim`` by ``delivery``; returns once its process is gone. ``at_s``
+        (seconds into the load) and ``costs`` (the drain costs it was chosen by) are kept
+        in the record."""
         if delivery not in DELIVERIES:
             raise ValueError(f"unknown delivery {delivery!r}; one of {DELIVERIES}")
         worker = self.workers[victim]
-        record = ScaleDown(victim, delivery, time.time())
+        self._removing.add(victim)
+        record = ScaleDown(victim, delivery, at_s, time.time(), costs=costs)
         watching = asyncio.create_task(self._watch_drain(worker, record))
         try:
             if delivery == "kubelet":
@@ -209,7 +305,8 @@ class Cluster:
             with contextlib.suppress(asyncio.CancelledError):
                 await watching
         if self.router is not None:
-            record.router_removed = self.router.stats.removed_at.get(victim)
+            removed = (await self.router.stats())["removed_at"]
+            record.router_removed = removed.get(victim)
         log.info("scale-down of %s (%s): exit %s, %s", victim, delivery, record.exit_code,
                  (record.report or {}).get("outcome"))
         return record
@@ -222,7 +319,7 @@ class Cluster:
                 status = await asyncio.to_thread(worker.status)
             except (httpx.HTTPError, OSError):
                 return  # the admin API is gone: the worker is exiting
-            if status.get("state") != "serving":
+            if status.get("state") == "draining":  # ``since``: when the drain began
                 since = status.get("since")
                 record.drain_since = float(since) if isinstance(since, (int, float)) else None
                 return
@@ -230,7 +327,7 @@ class Cluster:
 
     async def stop_all(self) -> list[ScaleDown]:
         """SIGTERM every worker still serving (after the load): their exit reports."""
-        records = [ScaleDown(name, "end", time.time()) for name in self.serving()]
+        records = [ScaleDown(name, "end", -1.0, time.time()) for name in self.alive()]
         for record in records:
             self.workers[record.victim].signal(signal.SIGTERM)
         for record in records:

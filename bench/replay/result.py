@@ -16,9 +16,12 @@ Failed requests are counted from aiperf's raw export by reading every stream to 
 (:func:`bench.replay.aiperf.read_outcomes`); aiperf's own error count is kept beside it.
 ``unregister_to_router_ms_etcd``: the slowest, over every scale-down of the replays, from
 the victim entering ``draining`` (its status's ``since``; the unregister comes right
-after) to the router dropping it. ``unregister_to_router_ms_dynamo``: the p99 of
-``DYNAMO_SAMPLES`` unregisters of a real Dynamo endpoint to a Dynamo client in another
-process (:func:`bench.discovery.dynamo_samples`; the replay itself routes over etcd).
+after) to the router (its own process) dropping it; ``unregister_to_router_missing``
+counts scale-downs where either moment was not seen. ``unregister_to_router_ms_dynamo``:
+the slowest of ``DYNAMO_SAMPLES`` unregisters of a real Dynamo endpoint to a Dynamo
+client in another process (:func:`bench.discovery.dynamo_samples`; the replay itself
+routes over etcd). A run that did not send and judge every planned request once is void:
+the benchmark raises instead of writing figures.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def _metrics(runs: dict[str, PolicyRun]) -> dict[str, float]:
         removals = [r.ended - r.began for r in run.scale_downs if r.ended is not None]
         if removals:
             metrics[f"{name}_victim_removal_s_mean"] = round(sum(removals) / len(removals), 3)
-    etcd = unregister_to_router_ms(list(runs.values()))
+    etcd, missing = unregister_to_router_ms(list(runs.values()))
+    metrics["unregister_to_router_missing"] = missing
     if etcd:
         metrics["unregister_to_router_ms_etcd"] = round(max(etcd), 3)
         metrics["unregister_to_router_ms_etcd_p50"] = round(percentile(etcd, 50), 3)
@@ -84,6 +88,10 @@ def run(config: ReplayConfig | None = None, names: Sequence[str] | None = None) 
                                             failed_request_threshold=FAILED_REQUEST_THRESHOLD))
             print(f"replay {name}: {runs[name].failed} of {runs[name].sent} failed",
                   file=sys.stderr)
+            if not runs[name].complete:  # a partial run proves nothing either way
+                raise RuntimeError(f"replay {name} is void: {runs[name].sent} of "
+                                   f"{runs[name].planned} requests judged; "
+                                   f"{runs[name].to_dict()}")
     metrics = _metrics(runs)
     notes = [
         "A request failed when its HTTP status was not 200, any SSE event carried an "
@@ -98,13 +106,16 @@ def run(config: ReplayConfig | None = None, names: Sequence[str] | None = None) 
     if isinstance(dynamo, str):
         notes.append(f"unregister_to_router_ms_dynamo: not measured: {dynamo}")
     else:
-        metrics["unregister_to_router_ms_dynamo"] = round(
-            percentile(dynamo["unregister_to_router"], 99) * 1e3, 3)
+        samples = dynamo["unregister_to_router"]
+        metrics["unregister_to_router_ms_dynamo"] = round(max(samples) * 1e3, 3)
+        metrics["unregister_to_router_ms_dynamo_p50"] = round(percentile(samples, 50) * 1e3, 3)
     notes.append("2-core VM: timings are upper bounds.")
     return Result(
         name=NAME, metrics=metrics,
         units={key: ("ms" if "_ms_" in key or key.endswith("_ms")
-                     else "s" if key.endswith("_s_mean") else "requests") for key in metrics},
+                     else "s" if key.endswith("_s_mean")
+                     else "scale-downs" if key.endswith("_missing") else "requests")
+               for key in metrics},
         parameters={"phases": [(p.rate_rps, p.duration_s) for p in config.phases],
                     "workers": config.workers,
                     "scale_downs": [list(s) for s in config.scale_downs],

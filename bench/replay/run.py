@@ -9,18 +9,21 @@
    first request: the trace's time zero, give or take aiperf's first dispatch;
 4. at each planned moment of the load, scales one worker down (the victim: the first
    serving worker by name, or the one with the lowest drain cost) with the planned
-   delivery, and waits until its process is gone;
+   delivery, each as its own task, and waits until every victim's process is gone;
 5. waits for aiperf to finish, then stops the remaining workers;
 6. judges every request from aiperf's raw export by reading its stream to the end
    (:func:`bench.replay.aiperf.read_outcomes`), and keeps aiperf's own count beside it.
 
-Failure behaviour: a worker or aiperf that cannot start raises (the run is void, never
-counted as a pass); a scale-down that finds no worker to remove raises.
+Failure behaviour: a worker, the router or aiperf that cannot start raises (the run is
+void, never counted as a pass), and so does a scale-down that finds no worker to remove;
+aiperf is killed on the way out. A run in which not every planned request was sent and
+judged once says so (``complete`` False).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -40,13 +43,13 @@ LOAD_START_TIMEOUT_S = 300.0
 starts its services first: 10-30 s here)."""
 
 
-OUTPUT_LENGTHS = aiperf.LogNormalLengths(median=100, sigma=0.8, minimum=8, maximum=600)
-"""The default trace's output lengths: at :data:`DECODE_STEP_S` a token, a median stream
-runs 5 s and the tail 30 s, a reasoning model's answers at ~100 tokens/s compressed
-fourfold in tokens (so that this 2-core machine can carry every token through the
-router and aiperf): about half the streams outlive a fixed 5 s grace, as in the field
-report."""
-DECODE_STEP_S = 0.05
+OUTPUT_LENGTHS = aiperf.LogNormalLengths(median=50, sigma=0.8, minimum=4, maximum=300)
+"""The default trace's output lengths. At :data:`DECODE_STEP_S` a token a median stream
+runs 5 s and the tail 30 s, as a reasoning model's answers do at ~100 tokens/s, with ten
+times fewer tokens (so that this 2-core machine carries every token through the router
+and aiperf without running out of CPU): about half the streams outlive a fixed 5 s grace,
+as in the field report."""
+DECODE_STEP_S = 0.1
 
 
 def _default_trace_options() -> dict[str, Any]:
@@ -90,7 +93,13 @@ class PolicyRun:
 
     policy: str
     victim_by_cost: bool
+    planned: int
+    """Requests in the trace."""
     sent: int
+    """Requests in aiperf's raw export, each judged."""
+    complete: bool
+    """Every planned request was sent and judged once, and aiperf neither timed out nor
+    cancelled the run (its failed-request threshold cancels it): else the run is void."""
     failed: int
     failures: dict[str, int]
     aiperf_rc: int | None
@@ -102,7 +111,8 @@ class PolicyRun:
 
     def to_dict(self) -> dict[str, object]:
         return {"policy": self.policy, "victim_by_cost": self.victim_by_cost,
-                "sent": self.sent, "failed": self.failed, "failures": self.failures,
+                "planned": self.planned, "sent": self.sent, "complete": self.complete,
+                "failed": self.failed, "failures": self.failures,
                 "aiperf_rc": self.aiperf_rc, "aiperf_own_count": self.aiperf_own,
                 "scale_downs": [record.to_dict() for record in self.scale_downs],
                 "end": [record.to_dict() for record in self.end],
@@ -111,14 +121,18 @@ class PolicyRun:
 
 async def _scale_downs(cluster: Cluster, config: ReplayConfig, by_cost: bool,
                        load_began: float) -> list[ScaleDown]:
-    records = []
-    for at, delivery in config.scale_downs:
+    """Each planned scale-down at its moment, as its own task: an autoscaler does not wait
+    for one pod to be gone before it deletes the next."""
+    async def one(at: float, delivery: str) -> ScaleDown:
         await asyncio.sleep(max(0.0, load_began + at - time.monotonic()))
-        victim = await cluster.choose_victim(by_cost)
-        log.info("replay: %.1f s into the load, scaling down %s (%s)",
-                 time.monotonic() - load_began, victim, delivery)
-        records.append(await cluster.scale_down(victim, delivery))
-    return records
+        victim, costs = await cluster.choose_victim(by_cost)
+        began = time.monotonic() - load_began
+        log.info("replay: %.1f s into the load, scaling down %s (%s)", began, victim,
+                 delivery)
+        return await cluster.scale_down(victim, delivery, began, costs)
+
+    return list(await asyncio.gather(*(one(at, delivery)
+                                       for at, delivery in config.scale_downs)))
 
 
 async def replay(policy: str, config: ReplayConfig, workdir: Path, *,
@@ -128,31 +142,42 @@ async def replay(policy: str, config: ReplayConfig, workdir: Path, *,
     aiperf's artifacts go to ``workdir``."""
     started = time.monotonic()
     trace = workdir / "trace.jsonl"
-    aiperf.write_trace(trace, config.phases, seed=config.seed, **config.trace_options)
+    planned = len(aiperf.write_trace(trace, config.phases, seed=config.seed,
+                                     **config.trace_options))
     with Cluster(policy, config.workers, config.decode_step_s) as cluster:
         async with cluster.routed() as router:
             load = asyncio.create_task(aiperf.arun_aiperf(
                 router.url, MODEL, trace, workdir / "aiperf",
                 failed_request_threshold=failed_request_threshold,
                 timeout_s=LOAD_START_TIMEOUT_S + config.load_s * 3 + 120))
-            first = asyncio.create_task(router.stats.first_request.wait())
-            await asyncio.wait({load, first}, timeout=LOAD_START_TIMEOUT_S,
-                               return_when=asyncio.FIRST_COMPLETED)
-            if not first.done():
-                first.cancel()
-                load.cancel()  # kills aiperf's process group
-                raise RuntimeError(f"aiperf sent no request within {LOAD_START_TIMEOUT_S} s;"
-                                   f" see {workdir / 'aiperf' / aiperf.LOG_NAME}")
-            scale_downs = await _scale_downs(cluster, config, victim_by_cost,
-                                             time.monotonic())
-            run = await load
+            try:
+                await router.until(lambda stats: stats["first_request_at"] is not None,
+                                   "aiperf's first request", LOAD_START_TIMEOUT_S,
+                                   done=load.done)
+                scale_downs = await _scale_downs(cluster, config, victim_by_cost,
+                                                 time.monotonic())
+                run = await load
+            except BaseException as exc:
+                if load.done() and not load.cancelled() and load.exception() is not None:
+                    raise RuntimeError(f"aiperf failed: {load.exception()!r}") from exc
+                raise
+            finally:
+                if not load.done():
+                    load.cancel()  # kills aiperf's process group
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await load
             end = await cluster.stop_all()
-            stats = router.stats.to_dict()
+            stats = await router.stats()
     outcomes = aiperf.read_outcomes(run.raw_export)
     summary = aiperf.summarize(outcomes)
-    return PolicyRun(policy=policy, victim_by_cost=victim_by_cost, sent=summary["sent"],
+    own = _aiperf_own(run)
+    ids = [outcome.request_id for outcome in outcomes]
+    complete = (summary["sent"] == planned and len(set(ids)) == len(ids)
+                and not run.timed_out and own.get("was_cancelled") is False)
+    return PolicyRun(policy=policy, victim_by_cost=victim_by_cost, planned=planned,
+                     sent=summary["sent"], complete=complete,
                      failed=summary["failed"], failures=summary["failures"],
-                     aiperf_rc=run.returncode, aiperf_own=_aiperf_own(run),
+                     aiperf_rc=run.returncode, aiperf_own=own,
                      scale_downs=scale_downs, end=end, router=stats,
                      wall_s=time.monotonic() - started)
 
@@ -165,7 +190,8 @@ def _aiperf_own(run: aiperf.AiperfRun) -> dict[str, Any]:
         return {"unreadable": repr(exc)}
 
 
-def unregister_to_router_ms(runs: Sequence[PolicyRun]) -> list[float]:
-    """Every scale-down's unregister → router time, over ``runs``."""
-    return [value for run in runs for record in run.scale_downs
-            if (value := record.unregister_to_router_ms) is not None]
+def unregister_to_router_ms(runs: Sequence[PolicyRun]) -> tuple[list[float], int]:
+    """Every scale-down's unregister → router time over ``runs``, and how many scale-downs
+    have none (the drain's start or the router's removal was not seen)."""
+    values = [record.unregister_to_router_ms for run in runs for record in run.scale_downs]
+    return [v for v in values if v is not None], sum(v is None for v in values)

@@ -63,7 +63,7 @@ def config() -> ReplayConfig:
 async def test_quiesce_loses_no_request_in_the_replay(tmp_path: Path) -> None:
     run = await replay("quiesce", config(), tmp_path, failed_request_threshold=0.001)
     explain = f"{run.to_dict()}"
-    assert run.sent >= 80, explain  # the whole trace went through (~97 requests)
+    assert run.complete and run.sent == run.planned >= 80, explain  # every request judged
     assert run.failed == 0 and run.failures == {}, explain
     assert run.aiperf_rc == 0, explain
     assert [r.delivery for r in run.scale_downs] == ["kubelet", "group"]
@@ -80,13 +80,16 @@ async def test_quiesce_loses_no_request_in_the_replay(tmp_path: Path) -> None:
 
 async def test_fixed_grace_loses_requests_that_aiperf_counts_as_successes(
         tmp_path: Path) -> None:
-    run: PolicyRun = await replay("fixed_grace", config(), tmp_path)
+    run: PolicyRun = await replay("fixed_grace", config(), tmp_path,
+                                  failed_request_threshold=0.001)
     explain = f"{run.to_dict()}"
-    assert run.sent >= 80, explain
+    assert run.complete and run.sent == run.planned >= 80, explain
     assert run.failed >= 1, explain  # each victim held a 10 s stream past the 5 s grace
     assert "error_event" in run.failures, explain  # 200, then the worker's abort event
     for record in run.scale_downs:
         assert record.report is not None and record.report["drained"] is False, explain
         assert record.exit_code in (3, 5), explain  # forced or lost: never a false 0
     own = run.aiperf_own
-    assert own.get("error_request_count", 0) < run.failed, explain  # aiperf's blind spot
+    assert own["request_count"] + own["error_request_count"] == run.sent, explain
+    assert own["error_request_count"] < run.failed, explain  # aiperf's blind spot
+    assert run.aiperf_rc == 0, explain  # so its failed-request threshold never fired

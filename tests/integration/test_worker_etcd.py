@@ -61,8 +61,9 @@ async def test_worker_is_listed_while_serving_and_unlisted_before_it_exits(
             assert value["address"] == worker.url and value["role"] == "aggregated", value
             assert worker.status()["discovery_registered"] is True
 
-            stream = asyncio.create_task(stream_completion(worker.url, 100))
-            await asyncio.sleep(0.2)
+            started = asyncio.Event()  # the stream is admitted and running
+            stream = asyncio.create_task(stream_completion(worker.url, 100, started=started))
+            await asyncio.wait_for(started.wait(), timeout=30)
             worker.signal()
             assert await watcher.wait_for("w-a", False, timeout_s=10)
             code, report = await asyncio.to_thread(worker.finish, 30)

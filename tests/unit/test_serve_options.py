@@ -188,10 +188,11 @@ def test_etcd_discovery_options_reach_the_worker_options(
     (("--etcd", "etcd.svc"), "etcd"),
     (("--etcd", "etcd.svc:0"), "etcd"),
     (("--etcd", ":2379"), "etcd"),
-    (("--etcd", "h:2379", "--name", "a/b"), "worker"),
-    (("--etcd", "h:2379", "--etcd-prefix", "no-slash"), "prefix"),
-    (("--etcd", "h:2379", "--etcd-ttl", "0"), "ttl_s"),
+    (("--etcd", "h:2379", "--name", "a/b"), "name"),
+    (("--etcd", "h:2379", "--etcd-prefix", "no-slash"), "etcd_prefix"),
+    (("--etcd", "h:2379", "--etcd-ttl", "0"), "etcd_ttl"),
     (("--advertise-url", "10.0.0.7:8000"), "advertise_url"),
+    (("--advertise-url", "http://"), "advertise_url"),
 ])
 def test_bad_discovery_options_name_their_field(argv: tuple[str, ...], field: str) -> None:
     with pytest.raises(ConfigError) as raised:
