@@ -31,10 +31,8 @@ STAMP=$AIPERF_VENV/.installed
 PY=$AIPERF_VENV/bin/python
 SPECS=("aiperf==0.13.0")
 
-pip_() {
-    "$PY" -m pip --disable-pip-version-check "$@" \
-        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
+# shellcheck source=ci/lib.sh
+source "$REPO/ci/lib.sh"  # pip_
 
 if [ ! -f "$STAMP" ] || [ "$REPO/ci/setup_aiperf.sh" -nt "$STAMP" ]; then
     "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "aiperf needs Python >= 3.10"'

@@ -23,10 +23,9 @@ STAMP=$DYNAMO_VENV/.installed
 PY=$DYNAMO_VENV/bin/python
 SPECS=("ai-dynamo-runtime==1.6.1" "pytest==9.2.0" "pytest-asyncio==1.5.0")
 
-pip_() {
-    "$PY" -m pip --disable-pip-version-check "$@" \
-        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-}
+SOURCES_FILE=$DYNAMO_VENV/.sources
+# shellcheck source=ci/lib.sh
+source "$REPO/ci/lib.sh"  # pip_, editable_install
 
 if [ ! -f "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
     "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "Dynamo needs Python >= 3.10"'
@@ -35,6 +34,6 @@ if [ ! -f "$STAMP" ] || [ "$0" -nt "$STAMP" ]; then
     pip_ install --quiet "${SPECS[@]}"
     "$PY" -c 'from dynamo.runtime import DistributedRuntime' # imports without a GPU
 fi
-pip_ install --quiet --no-deps --config-settings editable_mode=strict -e "$REPO"
+editable_install
 touch "$STAMP"
 echo "setup_dynamo: ready ($("$PY" -m pip --disable-pip-version-check show ai-dynamo-runtime 2>/dev/null | grep ^Version))"

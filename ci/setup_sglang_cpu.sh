@@ -63,15 +63,8 @@ IMPORT_SPECS=(
 TEST_SPECS=("pytest==9.2.0" "pytest-asyncio==1.5.0")
 STANDINS=$REPO/tests/integration/sglang/standins
 
-PIP=("$PY" -m pip --disable-pip-version-check)
-# pip's machine config adds local file indexes that hold only some projects; pip warns
-# once per project it does not find there. Drop that noise, keep every other message.
-pip_() { "${PIP[@]}" "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-sources() { (shopt -s nullglob; printf '%s\n' core/*.py core/*/*.py adapters/*.py adapters/*/*.py | LC_ALL=C sort); }
-editable_install() {
-    pip_ install --quiet --no-deps --config-settings editable_mode=strict -e "$REPO"
-    sources >"$SOURCES_FILE"
-}
+# shellcheck source=ci/lib.sh
+source "$REPO/ci/lib.sh"  # pip_, sources, editable_install
 
 if [[ -f $STAMP && $STAMP -nt $SCRIPT && $STAMP -nt $REPO/pyproject.toml ]]; then
     if ! sources | cmp -s - "$SOURCES_FILE"; then

@@ -7,7 +7,7 @@
   ``output_lengths`` (a log-normal with a long tail by default: at the sim engine's
   0.02 s a token, a few percent run longer than 5 s). Pure, deterministic for a seed,
   milliseconds. Invalid arguments raise :class:`ValueError` naming the argument.
-- :func:`aiperf_command` / :func:`run_aiperf` (blocking) / :func:`arun_aiperf` (asyncio):
+- :func:`aiperf_command` / :func:`run_aiperf` (asyncio):
   ``.venv-aiperf/bin/aiperf profile`` with a fixed schedule over that trace (streaming
   completions, ``ignore_eos``, usage in the stream, raw export), fully offline: the
   tokenizer is ``local/quiesce-bpe`` from the HF cache that ``ci/setup_aiperf.sh`` lays
@@ -15,7 +15,7 @@
   directory (removed afterwards), no server metrics, no GPU telemetry, no UI. Its
   output goes to ``aiperf.log`` in the artifact directory. It costs ~10-30 s of start-up
   (services, prompt synthesis) on top of the trace's span, and a lot of one core while it
-  runs. On timeout (or cancellation of :func:`arun_aiperf`) its whole process group is
+  runs. On timeout (or cancellation of :func:`run_aiperf`) its whole process group is
   killed (SIGTERM, then SIGKILL after 5 s) and the :class:`AiperfRun` says ``timed_out``;
   whatever it exported so far stays. A missing venv raises :class:`AiperfNotInstalled`
   before anything starts. aiperf's exit code is 0 even when requests failed, unless
@@ -322,7 +322,7 @@ def _prepared(artifact_dir: Path, venv: Path, hf_home: Path) -> Iterator[tuple[P
         shutil.rmtree(home, ignore_errors=True)
 
 
-def run_aiperf(
+async def run_aiperf(
     url: str,
     model: str,
     trace: Path,
@@ -336,57 +336,11 @@ def run_aiperf(
     venv: Path = AIPERF_VENV,
     hf_home: Path = AIPERF_HF_HOME,
 ) -> AiperfRun:
-    """Runs aiperf over ``trace`` against ``url`` and waits (at most ``timeout_s``).
-
-    Blocks the calling thread; from asyncio use :func:`arun_aiperf`. Raises
-    :class:`AiperfNotInstalled` before starting anything when the venv or tokenizer is
-    missing; a non-zero exit of aiperf is reported, not raised.
-    """
-    command = aiperf_command(url, model, trace, artifact_dir,
-                             failed_request_threshold=failed_request_threshold,
-                             block_size=block_size, request_timeout_s=request_timeout_s,
-                             extra_args=extra_args, venv=venv)
-    with _prepared(artifact_dir, venv, hf_home) as (home, log), log.open("wb") as out:
-        start = time.monotonic()
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
-                                   stderr=subprocess.STDOUT, env=aiperf_env(home, hf_home=hf_home),
-                                   cwd=home, start_new_session=True)
-        timed_out = False
-        try:
-            returncode: int | None = process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out, returncode = True, None
-            _kill_group(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                _kill_group(process.pid, signal.SIGKILL)
-                process.wait()
-        finally:
-            if process.poll() is None:  # interrupted (KeyboardInterrupt...): leave nothing
-                _kill_group(process.pid, signal.SIGKILL)
-                process.wait()
-            _kill_group(process.pid, signal.SIGKILL)  # aiperf's own leftovers, if any
-        wall = time.monotonic() - start
-    return AiperfRun(tuple(command), returncode, timed_out, wall, artifact_dir, log)
-
-
-async def arun_aiperf(
-    url: str,
-    model: str,
-    trace: Path,
-    artifact_dir: Path,
-    *,
-    failed_request_threshold: float | None,
-    timeout_s: float,
-    block_size: int = BLOCK_SIZE,
-    request_timeout_s: float | None = None,
-    extra_args: Sequence[str] = (),
-    venv: Path = AIPERF_VENV,
-    hf_home: Path = AIPERF_HF_HOME,
-) -> AiperfRun:
-    """:func:`run_aiperf` for asyncio: the same run, awaited; cancelling it kills aiperf's
-    process group (and re-raises CancelledError)."""
+    """Runs aiperf over ``trace`` against ``url`` and waits (at most ``timeout_s``; then its
+    process group is killed and the run says ``timed_out``). Cancelling it kills aiperf's
+    process group too (and re-raises CancelledError). Raises :class:`AiperfNotInstalled`
+    before starting anything when the venv or the tokenizer is missing; a non-zero exit of
+    aiperf is reported, not raised."""
     command = aiperf_command(url, model, trace, artifact_dir,
                              failed_request_threshold=failed_request_threshold,
                              block_size=block_size, request_timeout_s=request_timeout_s,

@@ -96,6 +96,8 @@ class ScaleDown:
     """Wall clock at which the worker entered ``draining`` (right before unregistering)."""
     router_removed: float | None = None
     """Wall clock at which the router stopped picking it."""
+    unregister_call_ms: float | None = None
+    """How long the worker's unregister call took (the etcd delete and lease revoke)."""
     ended: float | None = None
     """Wall clock at which its process was gone (or SIGKILLed at the grace period)."""
     exit_code: int | None = None
@@ -117,6 +119,8 @@ class ScaleDown:
                 "exit_code": self.exit_code, "prestop_code": self.prestop_code,
                 "unregister_to_router_ms": (None if self.unregister_to_router_ms is None
                                             else round(self.unregister_to_router_ms, 3)),
+                "unregister_call_ms": (None if self.unregister_call_ms is None
+                                       else round(self.unregister_call_ms, 3)),
                 "drained": report.get("drained"), "outcome": report.get("outcome"),
                 "lost_requests": report.get("lost_requests"),
                 "aborted_requests": report.get("aborted_requests"),
@@ -313,16 +317,24 @@ class Cluster:
 
     @staticmethod
     async def _watch_drain(worker: Worker, record: ScaleDown) -> None:
-        """Poll the worker's status until it shows the drain began; keep its ``since``."""
+        """Poll the worker's status until it is gone: keep its ``since`` on entering
+        ``draining`` (the drain began; the unregister comes next) and, once the drain is
+        over, how long its unregister call took (``last_drain``'s first stage)."""
         while worker.process.poll() is None:
             try:
                 status = await asyncio.to_thread(worker.status)
             except (httpx.HTTPError, OSError):
                 return  # the admin API is gone: the worker is exiting
-            if status.get("state") == "draining":  # ``since``: when the drain began
-                since = status.get("since")
-                record.drain_since = float(since) if isinstance(since, (int, float)) else None
-                return
+            since = status.get("since")
+            if (record.drain_since is None and status.get("state") == "draining"
+                    and isinstance(since, (int, float))):
+                record.drain_since = float(since)
+            last = status.get("last_drain")
+            stages = last.get("stages") if isinstance(last, dict) else None
+            for stage in stages if isinstance(stages, list) else ():
+                if (stage.get("stage") == "unregister" and record.drain_since is not None
+                        and record.unregister_call_ms is None):  # the first drain's
+                    record.unregister_call_ms = float(stage["elapsed_s"]) * 1e3
             await asyncio.sleep(STATUS_POLL_S)
 
     async def stop_all(self) -> list[ScaleDown]:

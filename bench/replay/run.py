@@ -146,7 +146,7 @@ async def replay(policy: str, config: ReplayConfig, workdir: Path, *,
                                      **config.trace_options))
     with Cluster(policy, config.workers, config.decode_step_s) as cluster:
         async with cluster.routed() as router:
-            load = asyncio.create_task(aiperf.arun_aiperf(
+            load = asyncio.create_task(aiperf.run_aiperf(
                 router.url, MODEL, trace, workdir / "aiperf",
                 failed_request_threshold=failed_request_threshold,
                 timeout_s=LOAD_START_TIMEOUT_S + config.load_s * 3 + 120))

@@ -45,16 +45,6 @@ PREFIX = "/quiesce/instances"
 
 
 @pytest.fixture
-async def etcd() -> AsyncIterator[LocalEtcd]:
-    server = LocalEtcd()
-    try:
-        await server.start(timeout_s=15)
-        yield server
-    finally:
-        server.close()
-
-
-@pytest.fixture
 async def watcher(etcd: LocalEtcd) -> AsyncIterator[EtcdWatcher]:
     follower = EtcdWatcher(etcd.host, etcd.port, PREFIX)
     await follower.start()

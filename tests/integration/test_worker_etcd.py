@@ -12,7 +12,6 @@ import asyncio
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -29,16 +28,6 @@ pytest.importorskip("aetcd", reason="aetcd is not installed: pip install 'quiesc
 from quiesce.adapters.etcd import EtcdWatcher  # noqa: E402
 
 PREFIX = "/quiesce/test-worker"
-
-
-@pytest.fixture
-async def etcd() -> AsyncIterator[LocalEtcd]:
-    server = LocalEtcd()
-    try:
-        await server.start(timeout_s=15)
-        yield server
-    finally:
-        server.close()
 
 
 async def test_worker_is_listed_while_serving_and_unlisted_before_it_exits(

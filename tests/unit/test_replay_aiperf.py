@@ -38,6 +38,7 @@ from bench.replay.aiperf import (
     summarize,
     write_trace,
 )
+from bench.watch import proc_state
 
 DATA = Path(__file__).parent / "data"
 RAW = DATA / "aiperf_raw_records.jsonl"
@@ -386,9 +387,10 @@ def test_aiperf_env_is_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 def test_run_aiperf_without_the_venv_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(AiperfNotInstalled, match=r"ci/setup_aiperf\.sh"):
-        aiperf.run_aiperf("http://h:1", "m", tmp_path / "t.jsonl", tmp_path / "out",
-                          failed_request_threshold=None, timeout_s=5,
-                          venv=tmp_path / "no-venv", hf_home=tmp_path / "hf")
+        asyncio.run(aiperf.run_aiperf("http://h:1", "m", tmp_path / "t.jsonl",
+                                      tmp_path / "out", failed_request_threshold=None,
+                                      timeout_s=5, venv=tmp_path / "no-venv",
+                                      hf_home=tmp_path / "hf"))
     assert not (tmp_path / "out").exists()
 
 
@@ -406,9 +408,9 @@ def fake_install(tmp_path: Path, script: str) -> tuple[Path, Path]:
 
 def test_run_aiperf_logs_and_reports_the_exit_code(tmp_path: Path) -> None:
     venv, hf_home = fake_install(tmp_path, 'echo "args: $*"; echo "home: $HOME"; exit 7\n')
-    run = aiperf.run_aiperf("http://h:1", "m", tmp_path / "t.jsonl", tmp_path / "out",
-                            failed_request_threshold=None, timeout_s=10, venv=venv,
-                            hf_home=hf_home)
+    run = asyncio.run(aiperf.run_aiperf("http://h:1", "m", tmp_path / "t.jsonl",
+                                        tmp_path / "out", failed_request_threshold=None,
+                                        timeout_s=10, venv=venv, hf_home=hf_home))
     assert (run.returncode, run.timed_out, run.ok) == (7, False, False)
     log = run.log.read_text()
     assert "--fixed-schedule" in log
@@ -423,31 +425,23 @@ def test_run_aiperf_kills_its_process_group_on_timeout(tmp_path: Path,
     venv, hf_home = fake_install(
         tmp_path, 'sleep 60 & echo $! >> "$FAKE_AIPERF_PIDS"; echo $$ >> "$FAKE_AIPERF_PIDS"\n'
                   'wait\n')
-    run = aiperf.run_aiperf("http://h:1", "m", tmp_path / "t.jsonl", tmp_path / "out",
-                            failed_request_threshold=None, timeout_s=3.0, venv=venv,
-                            hf_home=hf_home)
+    run = asyncio.run(aiperf.run_aiperf("http://h:1", "m", tmp_path / "t.jsonl",
+                                        tmp_path / "out", failed_request_threshold=None,
+                                        timeout_s=3.0, venv=venv, hf_home=hf_home))
     assert run.timed_out and run.returncode is None
     deadline = time.monotonic() + 10
     alive = set(map(int, pids.read_text().split()))
     assert len(alive) == 2
     while alive and time.monotonic() < deadline:  # a zombie (not yet reaped) is dead too
-        alive = {pid for pid in alive if running(pid)}
+        alive = {pid for pid in alive if proc_state(pid) not in (None, "Z")}
         time.sleep(0.05)
     assert not alive, f"left running: {alive}"
 
 
-def running(pid: int) -> bool:
-    """Whether ``pid`` runs: it exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def test_arun_aiperf_times_out_and_kills(tmp_path: Path) -> None:
     venv, hf_home = fake_install(tmp_path, "echo started; exec sleep 60\n")
-    run = asyncio.run(asyncio.wait_for(aiperf.arun_aiperf(  # bounded: a kill that failed
+    run = asyncio.run(asyncio.wait_for(aiperf.run_aiperf(  # bounded: a kill that failed
         "http://h:1", "m", tmp_path / "t.jsonl", tmp_path / "out",  # would wait for sleep
         failed_request_threshold=None, timeout_s=2.0, venv=venv, hf_home=hf_home), 30))
     assert run.timed_out and run.returncode is None
@@ -456,7 +450,7 @@ def test_arun_aiperf_times_out_and_kills(tmp_path: Path) -> None:
 
 def test_arun_aiperf_reports_the_exit_code(tmp_path: Path) -> None:
     venv, hf_home = fake_install(tmp_path, "exit 0\n")
-    run = asyncio.run(aiperf.arun_aiperf(
+    run = asyncio.run(aiperf.run_aiperf(
         "http://h:1", "m", tmp_path / "t.jsonl", tmp_path / "out",
         failed_request_threshold=0.1, timeout_s=10, venv=venv, hf_home=hf_home))
     assert (run.returncode, run.timed_out) == (0, False)
