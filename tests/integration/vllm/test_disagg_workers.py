@@ -8,7 +8,9 @@ the prefill worker (one token, KV held for a remote decode) and then, streaming,
 decode worker, which pulls the KV from the prefill worker over NIXL. The workers' NIXL
 agents run without their progress thread (``nixl_cpu/sitecustomize.py``: it busy-polls a
 whole core per engine, which two engines on this two-core machine cannot afford); NIXL
-then progresses in the calls vLLM's connector makes on each engine step.
+then progresses in the calls vLLM's connector makes on each engine step. Neither vLLM's
+NIXL connector (same ``sitecustomize.py``) nor its CPU backend (:data:`NO_CPU_BINDING`)
+pins a worker's main thread to a core: both pinned both workers to the same one.
 
 The scenario: several requests go through the proxy; their prefills finish, so the
 prefill worker has no admitted request left but holds their KV; the decode side is slow
@@ -80,6 +82,13 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 NIXL_CPU_SITE = Path(__file__).resolve().parent / "nixl_cpu"
 """Put first on the workers' PYTHONPATH: NIXL agents without their busy-polling progress
 thread (see its ``sitecustomize.py``; two such threads take both cores of this machine)."""
+NO_CPU_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""vLLM's CPU backend binds each engine's OpenMP threads, the model worker's main thread
+among them, as if the engine had the machine to itself (``auto``: core ids ``[0, 1]``
+here, the main thread on CPU 0), so two engines put both main threads, which step the
+engine and make every NIXL call, on one core (``taskset -pc``; the NIXL connector's own
+pin, to CPU 1, is undone in ``nixl_cpu/sitecustomize.py``, which says what that sharing
+did to the pulls). ``nobind`` leaves the placement to the kernel."""
 
 
 def free_loopback_port() -> int:
@@ -118,7 +127,7 @@ def nixl_worker(model: Path, role: str, *serve_args: str) -> Iterator[Worker]:
               "--kv-transfer-config", json.dumps(kv_config)]
     if "gpu_memory_utilization" in kwargs:
         engine += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
-    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+    env = {**NO_CPU_BINDING, "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),
            "PYTHONPATH": os.pathsep.join(
                p for p in (str(NIXL_CPU_SITE), os.environ.get("PYTHONPATH", "")) if p)}
@@ -326,9 +335,10 @@ async def test_prefill_worker_leaves_only_after_the_decoder_pulled_its_kv(
                 await watch.stop()
 
     for result in results:  # each decode stream was read to its end: every token
-        assert result.complete, result
-        assert result.finish_reason == "length", result  # ignore_eos: max_tokens generated
-        assert result.completion_tokens == DECODE_TOKENS, result
+        logs = f"{result}\nprefill:\n{tail(prefill)}\ndecode:\n{tail(decode_worker)}"
+        assert result.complete, logs
+        assert result.finish_reason == "length", logs  # ignore_eos: max_tokens generated
+        assert result.completion_tokens == DECODE_TOKENS, logs
 
     assert report is not None, f"exit code {code}, no exit report\n{tail(prefill)}"
     assert code == 0, report

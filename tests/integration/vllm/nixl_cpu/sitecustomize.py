@@ -1,4 +1,5 @@
-"""NIXL agents without their progress thread, for NIXL engines on a CPU with few cores.
+"""NIXL agents without their progress thread, and vLLM's NIXL connector without its core
+pin, for NIXL engines on a CPU with few cores.
 
 Put this directory first on ``PYTHONPATH`` of a process (its children inherit it) and
 Python imports this module at start-up (``site``); it then makes every
@@ -17,6 +18,31 @@ progress loop itself when there is no thread), which is all a transfer needs her
 handshake then takes ~40 ms. What vLLM does with the KV (hold it for the decoder until
 its read is notified or the lease expires) is unchanged.
 
+It also keeps vLLM's NIXL connector (``nixl/base_worker.py``) from pinning the model
+worker's main thread: on a CPU device it calls ``os.sched_setaffinity(0, ...)`` with the
+last core of each NUMA node ("reserve different cores for start_load_kv()"), whatever else
+runs there, and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` does not stop it. Here that is CPU 1
+for *both* engines: each worker's main thread, which steps the engine and makes every NIXL
+call, and the threads it starts later (the handshake thread) shared one core
+(``taskset -pc`` per thread), while each spins in vLLM's ``shm_broadcast`` wait
+(``sched_yield``). The connector module then sees an ``os`` whose ``sched_setaffinity``
+does nothing (everything else is the real ``os``); where the threads run is left to the
+kernel. Why: the decoder's worker went without that core for seconds while the prefill
+worker spun (py-spy: the decoder's main thread in ``sched_yield``, its handshake thread
+holding the GIL, the process' CPU time not moving): its handshake reply sat unread for
+8 s after the prefill side had sent it (``get metadata took: 8.0``), its reads were posted
+that late, and a pull over UCX's TCP (a READ emulated with active messages that the
+prefill side answers on its own engine steps) took seconds. Measured (the sigterm to
+the process group delivery, repeated against one decode worker, DEBUG logs): with the pin,
+from the first decode request to the last KV received took 2-14 s in 9 of 33 deliveries
+(UCX on shared memory instead of TCP did not change that: 4 of 18); one CI run posted two
+of its reads only after the prefill worker's drain had run out (``postXferReq ... was
+disconnected after transfer request creation``). With only this pin gone the OpenMP
+binding put both main threads on CPU 0 instead, and 2 of 2 deliveries failed, the drain
+timed out; hence also ``VLLM_CPU_OMP_THREADS_BIND=nobind`` in the test module. With
+neither pin, 12 of 12 deliveries passed, each within 1 s from the first decode request to
+the last KV received (handshake at most 0.3 s), on the same busy machine.
+
 Used by ``tests/integration/vllm/test_disagg_workers.py``.
 """
 
@@ -24,11 +50,32 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 from types import ModuleType
 from typing import Any
 
 API_MODULES = frozenset({"nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"})
+CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+
+
+class _OsWithoutAffinity(ModuleType):
+    """The ``os`` module, but ``sched_setaffinity`` leaves the affinity as it is."""
+
+    def __init__(self) -> None:
+        super().__init__("os")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def sched_setaffinity(pid: int, mask: Any) -> None:
+        return None
+
+
+def _without_core_pin(module: ModuleType) -> None:
+    if getattr(module, "os", None) is os:
+        module.os = _OsWithoutAffinity()  # type: ignore[attr-defined]
 
 
 def _without_progress_thread(module: ModuleType) -> None:
@@ -46,11 +93,12 @@ def _without_progress_thread(module: ModuleType) -> None:
 
 
 class _PatchNixlApi(importlib.abc.MetaPathFinder):
-    """Finds NIXL's API module the normal way, then patches it once it has run."""
+    """Finds NIXL's API module and vLLM's NIXL connector module the normal way, then
+    patches each once it has run."""
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None
                   ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in API_MODULES:
+        if fullname not in API_MODULES and fullname != CONNECTOR_MODULE:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -60,7 +108,10 @@ class _PatchNixlApi(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run(module)
-            _without_progress_thread(module)
+            if fullname == CONNECTOR_MODULE:
+                _without_core_pin(module)
+            else:
+                _without_progress_thread(module)
 
         loader.exec_module = exec_module
         return spec
