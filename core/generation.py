@@ -12,6 +12,8 @@ Engine-neutral and standard library only, so that the OpenAI-compatible face
 - :class:`Delta` is one piece of the engine's output: new text, how many tokens it
   holds, and on the last piece the finish reason, the prompt's token count and the KV
   transfer parameters the engine returned (a prefill worker's handle for its decoder).
+- :func:`model_names` and :func:`chat_prompt` are what every engine adapter does alike
+  with a model path and a Hugging Face tokenizer.
 
 An engine stream is ``AsyncIterator[Delta]`` whose last item carries ``finish_reason``.
 It raises :class:`~quiesce.errors.RequestAborted` when the engine ended the request
@@ -22,8 +24,11 @@ request's own input is invalid.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import PurePath
 from typing import Any
+
+from .errors import RequestRejected
 
 Prompt = str | tuple[int, ...]
 """A prompt: text, or token ids (as OpenAI's completions API accepts them)."""
@@ -83,3 +88,28 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     kv_transfer_params: Mapping[str, Any] | None = None
+
+
+def model_names(model: str, served_model_name: str | None) -> tuple[str, str]:
+    """The names a served model answers to (``ServingEngine.model_names``): first the name
+    the worker reports, ``served_model_name`` or else the last component of the ``model``
+    path (``model`` itself when it has none); then ``model`` as given."""
+    return (served_model_name or PurePath(model).name or model, model)
+
+
+def chat_prompt(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> str:
+    """``messages`` through ``tokenizer``'s chat template, with the generation prompt, as
+    text (a Hugging Face tokenizer's ``apply_chat_template``).
+
+    Raises :class:`~quiesce.errors.RequestRejected` when there is no tokenizer (``None``)
+    or it has no chat template, and when the template fails on these messages.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestRejected("this model has no chat template: use /v1/completions, "
+                              "or serve a model with a chat template")
+    try:
+        text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as exc:
+        raise RequestRejected(f"the chat template failed on these messages: {exc}") from exc
+    return str(text)

@@ -40,11 +40,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from quiesce.errors import RequestAborted, RequestRejected
-from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling
+from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling, chat_prompt, model_names
 from quiesce.probe import Role
 
 from .control import SglangEngineControl
@@ -78,7 +77,7 @@ class SglangServing:
                  **server_args: Any) -> None:
         self.model = model
         self.role = Role.parse(role)
-        self.model_names = (served_model_name or Path(model).name or model, model)
+        self.model_names = model_names(model, served_model_name)
         self.max_model_len = max_model_len
         self.server_args = server_args
         self.engine: Any = None
@@ -126,17 +125,7 @@ class SglangServing:
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The conversation through the tokenizer's chat template (with the generation
         prompt). Raises RequestRejected when the model has none, or the template fails."""
-        tokenizer = getattr(self.engine.tokenizer_manager, "tokenizer", None)
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise RequestRejected("this model has no chat template: use /v1/completions, "
-                                  "or serve a model with a chat template")
-        try:
-            text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                 add_generation_prompt=True)
-        except Exception as exc:
-            raise RequestRejected(f"the chat template failed on these messages: {exc}"
-                                  ) from exc
-        return str(text)
+        return chat_prompt(getattr(self.engine.tokenizer_manager, "tokenizer", None), messages)
 
     def stream(self, prompt: Prompt, sampling: Sampling, request_id: str,
                kv_transfer_params: Mapping[str, Any]) -> AsyncIterator[Delta]:

@@ -55,11 +55,10 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 from quiesce.errors import ConfigError, EngineNotInstalled, RequestAborted, RequestRejected
-from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling
+from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling, chat_prompt, model_names
 from quiesce.probe import Probe, Role
 
 from .control import TrtllmEngineControl
@@ -151,7 +150,7 @@ class TrtllmServing:
         self.model = model
         self.role = Role.parse(role)
         self.max_model_len = max_model_len
-        self.model_names = (served_model_name or Path(model).name or model, model)
+        self.model_names = model_names(model, served_model_name)
         self.cache_transceiver_config = cache_transceiver_config
         self.gpu_memory_fraction = gpu_memory_fraction
         self.llm_args = llm_args
@@ -232,16 +231,7 @@ class TrtllmServing:
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The conversation through the chat template. RequestRejected when there is none
         or it fails."""
-        tokenizer = self._tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestRejected("this model has no chat template: use /v1/completions")
-        try:
-            return str(tokenizer.apply_chat_template([dict(m) for m in messages],
-                                                     tokenize=False,
-                                                     add_generation_prompt=True))
-        except Exception as exc:
-            raise RequestRejected(f"the chat template failed on these messages: {exc}"
-                                  ) from exc
+        return chat_prompt(self._tokenizer(), messages)
 
     def stream(self, prompt: Prompt, sampling: Sampling, request_id: str,
                kv_transfer_params: Mapping[str, Any]) -> AsyncIterator[Delta]:

@@ -33,11 +33,10 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from quiesce.errors import ConfigError, RequestAborted, RequestRejected
-from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling
+from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling, chat_prompt, model_names
 from quiesce.probe import Role
 
 from .control import VllmEngineControl
@@ -110,7 +109,7 @@ class VllmServing:
         self.role = Role.parse(role)
         self.max_model_len = max_model_len
         self.shutdown_timeout_s = shutdown_timeout_s
-        self.model_names = (served_model_name or Path(model).name or model, model)
+        self.model_names = model_names(model, served_model_name)
         self.kv_transfer_config = kv_transfer_config
         self.engine_args = engine_args
         self.engine: Any = None
@@ -186,18 +185,7 @@ class VllmServing:
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The conversation through the tokenizer's chat template (with the generation
         prompt). Raises RequestRejected when the model has none, or the template fails."""
-        tokenizer = self.engine.get_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestRejected(
-                "this model has no chat template (its tokenizer_config.json sets none): "
-                "use /v1/completions, or serve a model with a chat template")
-        try:
-            text = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
-                                                 add_generation_prompt=True)
-        except Exception as exc:
-            raise RequestRejected(f"the chat template failed on these messages: {exc}"
-                                  ) from exc
-        return str(text)
+        return chat_prompt(self.engine.get_tokenizer(), messages)
 
     def stream(self, prompt: Prompt, sampling: Sampling, request_id: str,
                kv_transfer_params: Mapping[str, Any]) -> AsyncIterator[Delta]:

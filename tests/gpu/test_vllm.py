@@ -35,7 +35,11 @@ if _why:
 # tests/integration/vllm/tiny_model.py:engine_kwargs reads it.
 os.environ.setdefault("QUIESCE_GPU_MEMORY_UTILIZATION", "0.12")
 
-from tests.integration.vllm.conftest import tiny_model  # noqa: E402, F401 (fixture)
+from tests.integration.vllm.conftest import (  # noqa: E402, F401 (fixtures)
+    engine,
+    release_dir,
+    tiny_model,
+)
 from tests.integration.vllm.test_nixl_pair import *  # noqa: E402, F403
 from tests.integration.vllm.test_vllm_dp import *  # noqa: E402, F403
 from tests.integration.vllm.test_vllm_probe import *  # noqa: E402, F403

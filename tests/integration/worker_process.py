@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -126,43 +126,94 @@ def start_worker(*args: str, engine: tuple[str, ...] = ("--engine", "sim"),
 
 @dataclass
 class StreamResult:
-    status: int
-    tokens: int
-    done: bool
-    error: str | None
+    """What one streaming completion delivered, every event read to the end of the stream.
+
+    ``status``: the HTTP status (0: no answer came). ``tokens``: the usage chunk's
+    ``completion_tokens`` when one came, else the number of chunks that carried choices
+    (one a token on the sim worker). ``done``: ``data: [DONE]`` arrived. ``finish_reason``:
+    the last one a choice carried. ``errors``: in the order they came, a non-200 answer's
+    body, each error event's ``error`` object, a transport error (the connection broke).
+    """
+
+    max_tokens: int
+    status: int = 0
+    tokens: int = 0
+    done: bool = False
+    finish_reason: str | None = None
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def error(self) -> str | None:
+        """The first of ``errors``; ``None`` when the client was told of none."""
+        return self.errors[0] if self.errors else None
+
+    @property
+    def complete(self) -> bool:
+        """Every token asked for and a clean end: 200, ``[DONE]``, no error, finish reason
+        ``length`` and exactly ``max_tokens`` tokens (as ``ignore_eos`` asks)."""
+        return (self.status == 200 and self.done and not self.errors
+                and self.finish_reason == "length" and self.tokens == self.max_tokens)
 
 
 async def stream_completion(url: str, max_tokens: int, *, started: asyncio.Event | None = None,
-                            kv: dict[str, object] | None = None) -> StreamResult:
-    """POST a streaming completion; count token chunks and whether ``[DONE]`` arrived."""
-    body: dict[str, object] = {"prompt": "hello world", "max_tokens": max_tokens,
-                               "stream": True}
+                            kv: dict[str, object] | None = None, prompt: str = "hello world",
+                            ignore_eos: bool = False, include_usage: bool = False,
+                            timeout_s: float = 60.0) -> StreamResult:
+    """POST a streaming completion to ``url``'s ``/v1/completions`` and read it to its end.
+
+    ``started`` is set at the first chunk with choices; ``kv`` is sent as
+    ``kv_transfer_params``; ``include_usage`` asks for the usage chunk (``tokens`` then
+    counts tokens, not chunks); ``timeout_s`` bounds each network operation. Never raises
+    for what the worker answers or a connection that breaks: both land in the result.
+    """
+    body: dict[str, object] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
     if kv is not None:
         body["kv_transfer_params"] = kv
-    tokens, done, error = 0, False, None
+    result = StreamResult(max_tokens)
     try:
-        async with httpx.AsyncClient(timeout=60) as client, \
+        async with httpx.AsyncClient(timeout=timeout_s) as client, \
                 client.stream("POST", f"{url}/v1/completions", json=body) as answer:
+            result.status = answer.status_code
             if answer.status_code != 200:
                 await answer.aread()
-                return StreamResult(answer.status_code, 0, False, answer.text)
-            async for line in answer.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    done = True
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = chunk["error"]["type"]
-                    continue
-                tokens += 1
-                if started is not None:
-                    started.set()
+                result.errors.append(answer.text)
+            else:
+                await _read_events(answer, result, started)
     except httpx.TransportError as exc:  # the worker went away mid-stream: a lost stream
-        return StreamResult(0, tokens, False, f"transport error: {exc!r}")
-    return StreamResult(200, tokens, done, error)
+        result.errors.append(f"transport error: {exc!r}")
+    return result
+
+
+async def _read_events(answer: httpx.Response, result: StreamResult,
+                       started: asyncio.Event | None) -> None:
+    """Fold every server-sent event of a 200 ``answer`` into ``result`` (its docstring)."""
+    chunks, usage_tokens = 0, None
+    async for line in answer.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            result.done = True
+            continue
+        chunk = json.loads(data)
+        if "error" in chunk:
+            result.errors.append(str(chunk["error"]))
+            continue
+        if chunk.get("usage"):
+            usage_tokens = int(chunk["usage"]["completion_tokens"])
+        choices = chunk.get("choices") or []
+        if choices:
+            chunks += 1
+            if started is not None:
+                started.set()
+        for choice in choices:
+            if choice.get("finish_reason"):
+                result.finish_reason = choice["finish_reason"]
+        result.tokens = chunks if usage_tokens is None else usage_tokens
 
 
 # -- how a signal reaches a worker's processes ---------------------------------------------

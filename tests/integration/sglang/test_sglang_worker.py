@@ -36,7 +36,7 @@ pytest.importorskip("vllm._custom_ops", reason="SGLang's CPU rotary kernel comes
                     "run ci/setup_sglang_cpu.sh")
 
 from quiesce.serve_options import ENGINES
-from tests.integration.worker_process import worker_env
+from tests.integration.worker_process import stream_completion, worker_env
 
 httpx: Any = pytest.importorskip("httpx", reason="the worker tests stream over HTTP (httpx)")
 psutil: Any = pytest.importorskip("psutil", reason="psutil comes with SGLang's environment")
@@ -124,51 +124,6 @@ def serve(model: Path, *extra: str) -> Iterator[ServedWorker]:
         reader.join(timeout=10)
 
 
-@dataclass
-class Stream:
-    status: int = 0
-    tokens: int = 0
-    finish_reason: str | None = None
-    errors: list[str] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def complete(self) -> bool:
-        return (self.status == 200 and self.done and not self.errors
-                and self.finish_reason == "length" and self.tokens == MAX_TOKENS)
-
-
-async def stream(port: int, started: asyncio.Event) -> Stream:
-    """One streaming completion read to its end: every event, error events included."""
-    result = Stream()
-    body = {"prompt": "hello world", "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    try:
-        async with httpx.AsyncClient(timeout=180) as client, client.stream(
-                "POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as answer:
-            result.status = answer.status_code
-            async for line in answer.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    result.done = True
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.errors.append(str(chunk["error"]))
-                    continue
-                if chunk.get("usage"):
-                    result.tokens = int(chunk["usage"]["completion_tokens"])
-                for choice in chunk.get("choices", []):
-                    started.set()
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-    except httpx.TransportError as exc:  # the worker went away mid-stream: lost
-        result.errors.append(f"transport: {exc!r}")
-    return result
-
-
 def when_generating(worker: ServedWorker, count: int, act: Callable[[], None]) -> None:
     """Call ``act`` once the scheduler itself holds ``count`` requests (probe status)."""
     deadline = time.monotonic() + 120
@@ -214,7 +169,9 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
         engine_processes = worker.processes()[1:]
         assert len(engine_processes) >= 2  # the scheduler and the detokenizer, at least
         started = [asyncio.Event() for _ in range(STREAMS)]
-        streams = [asyncio.create_task(stream(worker.port, s)) for s in started]
+        streams = [asyncio.create_task(stream_completion(
+            f"http://127.0.0.1:{worker.port}", MAX_TOKENS, started=s, ignore_eos=True,
+            include_usage=True, timeout_s=180)) for s in started]
         await asyncio.to_thread(when_generating, worker, STREAMS,
                                 lambda: deliver(worker, how))
         code = await asyncio.to_thread(worker.process.wait, BUDGET_S + 30)

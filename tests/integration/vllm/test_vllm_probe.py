@@ -11,18 +11,16 @@ from __future__ import annotations
 import asyncio
 import types
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 from quiesce import AdmissionGate, InMemoryDiscovery, Role, StageOutcome, Verdict
 from quiesce.budget import Deadline
 from quiesce.drain import DrainConfig, wait_quiescent
 from quiesce.lifecycle import Lifecycle, State
-from tests.integration.vllm.conftest import SKIP_REASON
+from tests.integration.vllm.conftest import SKIP_REASON, hold, release
 
 vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
 
@@ -31,28 +29,6 @@ from quiesce.adapters.vllm import VllmEngineControl, VllmProbe, installed_vllm_v
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 FAST = DrainConfig(router_grace_s=0, poll_base_s=0.001, poll_cap_s=0.01, probe_timeout_s=5)
-
-
-@pytest.fixture(scope="module")
-def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("release")
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def engine(tiny_model: Path, release_dir: Path) -> AsyncIterator[Any]:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from tests.integration.vllm.tiny_model import engine_kwargs, holding_connector
-
-    args = AsyncEngineArgs(
-        model=str(tiny_model), tokenizer=str(tiny_model), disable_log_stats=True,
-        kv_transfer_config=holding_connector(release_dir), **engine_kwargs())
-    llm = AsyncLLM.from_engine_args(args)
-    try:
-        yield llm
-    finally:
-        llm.shutdown()
 
 
 async def generate(llm: Any, max_tokens: int, started: asyncio.Event | None = None) -> int:
@@ -66,14 +42,6 @@ async def generate(llm: Any, max_tokens: int, started: asyncio.Event | None = No
         if started is not None:
             started.set()
     return produced
-
-
-def release(release_dir: Path) -> None:
-    (release_dir / "release").touch()
-
-
-def hold(release_dir: Path) -> None:
-    (release_dir / "release").unlink(missing_ok=True)
 
 
 async def settle(probe: VllmProbe, release_dir: Path) -> None:

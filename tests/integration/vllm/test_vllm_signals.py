@@ -40,7 +40,7 @@ import httpx
 import pytest
 
 from tests.integration.vllm.conftest import SKIP_REASON
-from tests.integration.worker_process import TOKEN, worker_env
+from tests.integration.worker_process import TOKEN, StreamResult, stream_completion, worker_env
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 psutil = pytest.importorskip("psutil", reason="psutil comes with vLLM's environment")
@@ -139,50 +139,12 @@ def serve(model: Path, *extra: str) -> Iterator[ServedWorker]:
         reader.join(timeout=10)
 
 
-@dataclass
-class Stream:
-    wanted: int = MAX_TOKENS
-    status: int = 0
-    tokens: int = 0
-    finish_reason: str | None = None
-    errors: list[str] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def complete(self) -> bool:
-        return (self.status == 200 and self.done and not self.errors
-                and self.finish_reason == "length" and self.tokens == self.wanted)
-
-
-async def stream(port: int, started: asyncio.Event, max_tokens: int = MAX_TOKENS) -> Stream:
-    """One streaming completion read to its end: every event, error events included."""
-    result = Stream(wanted=max_tokens)
-    body = {"prompt": "hello world the quick brown fox", "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    try:
-        async with httpx.AsyncClient(timeout=120) as client, client.stream(
-                "POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as answer:
-            result.status = answer.status_code
-            async for line in answer.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: "):]
-                if data == "[DONE]":
-                    result.done = True
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.errors.append(str(chunk["error"]))
-                    continue
-                if chunk.get("usage"):
-                    result.tokens = int(chunk["usage"]["completion_tokens"])
-                for choice in chunk.get("choices", []):
-                    started.set()
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-    except httpx.TransportError as exc:  # the worker went away mid-stream: lost
-        result.errors.append(f"transport: {exc!r}")
-    return result
+async def stream(worker: ServedWorker, started: asyncio.Event) -> StreamResult:
+    """One stream of exactly MAX_TOKENS tokens (``ignore_eos``), read to its end."""
+    return await stream_completion(
+        f"http://127.0.0.1:{worker.port}", MAX_TOKENS, started=started,
+        prompt="hello world the quick brown fox", ignore_eos=True, include_usage=True,
+        timeout_s=120)
 
 
 def in_engine(status: dict[str, object]) -> int:
@@ -234,7 +196,7 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
         assert len(engine_processes) >= 2  # EngineCore and its model runner, at least
 
         started = [asyncio.Event() for _ in range(STREAMS)]
-        streams = [asyncio.create_task(stream(worker.port, s)) for s in started]
+        streams = [asyncio.create_task(stream(worker, s)) for s in started]
         # the signal comes while the engine generates every one of them
         await asyncio.to_thread(when_generating, worker, STREAMS,
                                 lambda: deliver(worker, how))
@@ -266,8 +228,7 @@ async def test_engine_killed_mid_drain_reports_every_lost_request(tiny_model: Pa
     """What the clients saw and what the worker reports must agree, stream for stream."""
     with serve(tiny_model, "--budget", "20", "--reserve", "4") as worker:
         started = [asyncio.Event() for _ in range(KILLED_STREAMS)]
-        streams = [asyncio.create_task(stream(worker.port, s, max_tokens=MAX_TOKENS))
-                   for s in started]
+        streams = [asyncio.create_task(stream(worker, s)) for s in started]
         (engine_core,) = [p for p in worker.processes() if p.name() == ENGINE_CORE]
         drains: list[httpx.Response] = []
 
