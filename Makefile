@@ -73,7 +73,7 @@ unit: $(VENV)/.installed
 	$(BIN)/pytest tests/unit
 
 integration: $(VENV)/.installed etcd $(AIPERF_VENV)/.installed
-	$(BIN)/pytest tests/integration --ignore=tests/integration/vllm \
+	QUIESCE_REQUIRE_REAL_PARTS=1 $(BIN)/pytest tests/integration --ignore=tests/integration/vllm \
 		--ignore=tests/integration/sglang
 
 test-vllm: $(VLLM_VENV)/.installed
@@ -87,7 +87,8 @@ test-dynamo: $(DYNAMO_VENV)/.installed
 
 test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
 		$(DYNAMO_VENV)/.installed $(AIPERF_VENV)/.installed
-	$(BIN)/pytest --ignore=tests/integration/vllm --ignore=tests/integration/sglang
+	QUIESCE_REQUIRE_REAL_PARTS=1 $(BIN)/pytest --ignore=tests/integration/vllm \
+		--ignore=tests/integration/sglang
 	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
 	$(VLLM_BIN)/pytest tests/integration/vllm
 	$(SGLANG_PYTEST) tests/integration/sglang

@@ -17,7 +17,7 @@
 # and it conflicts with ai-dynamo-runtime (pydantic<=2.13.5). quiesce itself is not
 # installed there: aiperf only talks HTTP to the workers.
 #
-# Idempotent: skips the install when ${AIPERF_VENV}/.installed is newer than this script;
+# Idempotent: skips the install when ${AIPERF_VENV}/.pip-installed is newer than this script;
 # the tokenizer step does nothing when the cache entry is complete.
 set -euo pipefail
 
@@ -34,7 +34,10 @@ SPECS=("aiperf==0.13.0")
 # shellcheck source=ci/lib.sh
 source "$REPO/ci/lib.sh"  # pip_
 
-if [ ! -f "$STAMP" ] || [ "$REPO/ci/setup_aiperf.sh" -nt "$STAMP" ]; then
+# Two stamps: PIP_STAMP once aiperf is installed, STAMP (what make checks) only once the
+# tokenizer is in place too, so that a failed tokenizer step is retried by the next make.
+PIP_STAMP=$AIPERF_VENV/.pip-installed
+if [ ! -f "$PIP_STAMP" ] || [ "$REPO/ci/setup_aiperf.sh" -nt "$PIP_STAMP" ]; then
     "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "aiperf needs Python >= 3.10"'
     test -x "$PY" || "$PYTHON" -m venv "$AIPERF_VENV"
     echo "setup_aiperf: installing ${SPECS[*]} into $AIPERF_VENV (~2 min, ~1.2 GB)"
@@ -42,8 +45,9 @@ if [ ! -f "$STAMP" ] || [ "$REPO/ci/setup_aiperf.sh" -nt "$STAMP" ]; then
     pip_ install --quiet "${SPECS[@]}"
     "$AIPERF_VENV/bin/aiperf" --help >/dev/null
     echo "setup_aiperf:   done in $((SECONDS - T0))s"
-    touch "$STAMP"
+    touch "$PIP_STAMP"
 fi
+rm -f "$STAMP"
 "$PY" "$REPO/ci/aiperf_tokenizer.py" --hf-home "$AIPERF_HF_HOME"
-touch "$STAMP"  # newer than the tokenizer script too: make does not redo this every time
+touch "$STAMP"
 echo "setup_aiperf: ready ($("$PY" -m pip --disable-pip-version-check show aiperf 2>/dev/null | grep ^Version))"

@@ -25,6 +25,8 @@ ENGINES = ("sim", "vllm", "sglang", "trtllm")
 MODEL_ENGINES = ("vllm", "sglang", "trtllm")
 """Engines that load a model (``--model`` required)."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+"""Addresses a server binds to but no router can connect to."""
 ETCD_OPTIONS = {"worker": "name", "prefix": "etcd_prefix", "ttl_s": "etcd_ttl",
                 "host": "etcd", "port": "etcd", "address": "advertise_url"}
 """EtcdConfig's fields → the ``quiesce serve`` options they come from."""
@@ -92,13 +94,16 @@ class WorkerOptions:
         self._check_discovery()
 
     def _check_discovery(self) -> None:
-        url = self.advertise_url
-        if url is not None and (urllib.parse.urlsplit(url).scheme not in ("http", "https")
-                                or not urllib.parse.urlsplit(url).hostname):
-            raise ConfigError("advertise_url", f"must be an http(s) URL with a host, got "
-                                               f"{url!r}")
-        if self.etcd is not None:
-            self.etcd_config(self.port)
+        if self.advertise_url is not None:
+            check_url("advertise_url", self.advertise_url)
+        if self.etcd is None:
+            return
+        if self.advertise_url is None and self.host in WILDCARD_HOSTS:
+            raise ConfigError("advertise_url", f"needed with --etcd when --host is "
+                                               f"{self.host!r}: routers cannot reach a "
+                                               f"wildcard address (e.g. "
+                                               f"--advertise-url http://$POD_IP:{self.port})")
+        self.etcd_config(self.port)
 
     def etcd_config(self, api_port: int) -> EtcdConfig:
         """The :class:`~quiesce.adapters.etcd.EtcdConfig` of this worker, its address
@@ -108,7 +113,8 @@ class WorkerOptions:
 
         assert self.etcd is not None
         host, port = self.etcd
-        address = self.advertise_url or f"http://{self.host}:{api_port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        address = self.advertise_url or f"http://{host}:{api_port}"
         try:
             return EtcdConfig(worker=self.name, address=address, role=self.role.value,
                               host=host, port=port, prefix=self.etcd_prefix,
@@ -215,13 +221,31 @@ def parse_json_object(field: str, text: str | None) -> dict[str, Any] | None:
 
 
 def parse_endpoint(field: str, text: str | None) -> tuple[str, int] | None:
-    """``HOST:PORT`` as ``(host, port)``, None for None; else a ConfigError on ``field``."""
+    """``HOST:PORT`` (``[IPv6]:PORT``) as ``(host, port)``, None for None; else a
+    ConfigError on ``field``."""
     if text is None:
         return None
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 address needs its brackets
+    if (not sep or not host or "/" in host or not (port.isascii() and port.isdecimal())
+            or not 0 < int(port) < 65536):
         raise ConfigError(field, f"must be HOST:PORT with a port in 1..65535, got {text!r}")
     return host, int(port)
+
+
+def check_url(field: str, url: str) -> None:
+    """ConfigError on ``field`` unless ``url`` is an http(s) URL with a host (and a valid
+    port, if it has one)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ConfigError(field, f"must be an http(s) URL with a host, got {url!r}")
 
 
 def default_name() -> str:

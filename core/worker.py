@@ -128,15 +128,13 @@ def build_discovery(options: WorkerOptions, api_port: int) -> Discovery:
     return EtcdDiscovery(options.etcd_config(api_port))
 
 
-async def _start_or_stop(lifecycle: Lifecycle, serving: ServingEngine,
-                         *servers: EmbeddedServer) -> None:
-    """Register and open admission; if the first registration fails, stop the servers, the
-    discovery client and the engine, and raise DiscoveryUnavailable (exit code 2)."""
+async def _start_or_stop(lifecycle: Lifecycle, serving: ServingEngine) -> None:
+    """Register and open admission; if the first registration fails, stop the discovery
+    client and the engine, and raise DiscoveryUnavailable (exit code 2)."""
     try:
         await lifecycle.start()
-    except DiscoveryUnavailable:  # never listed: stop what was started
+    except DiscoveryUnavailable:  # never listed, nothing served: stop the engine
         log.error("the first registration failed; stopping the engine and exiting")
-        await asyncio.gather(*(server.stop() for server in servers))
         if isinstance(lifecycle.discovery, EtcdDiscovery):
             await lifecycle.discovery.close()
         await serving.control.shutdown()
@@ -189,6 +187,11 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     pod = PodIdentity.from_environment() if options.publish_deletion_cost else None
     _check_installed(options)
     drain_config = DrainConfig(router_grace_s=options.router_grace_s)
+    # Sockets and the discovery client too, so that a port in use or a bad discovery
+    # setting fails at once. What connects before the servers start waits in the backlog.
+    api_socket = bind_socket(options.host, options.port)
+    admin_socket = bind_socket(options.admin_host, options.admin_port)
+    discovery = build_discovery(options, api_socket.getsockname()[1])
     serving = build_serving(options)
     await serving.start()
     guards = signals.report()
@@ -203,9 +206,7 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
             log.warning("--require-gpu-quiet: the GPUs cannot be read, so the worker will "
                         "not report drained until they can: %s", why)
     gate = AdmissionGate()
-    api = EmbeddedServer(create_completions_app(serving, gate),
-                         bind_socket(options.host, options.port))
-    discovery = build_discovery(options, api.port)
+    api = EmbeddedServer(create_completions_app(serving, gate), api_socket)
     lifecycle = Lifecycle(gate=gate, probe=probe, discovery=discovery, config=drain_config)
     shutdown = Shutdown(lifecycle, serving.control,
                         ShutdownPolicy(total_s=options.budget_s,
@@ -226,10 +227,12 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
                                             metrics=WorkerMetrics(lifecycle),
                                             extra_status=worker_status),
-                           bind_socket(options.admin_host, options.admin_port))
+                           admin_socket)
+    # Registered before the servers start: nothing is served (and /health/ready does not
+    # answer) until routers can find the worker; a failed registration serves nothing.
+    await _start_or_stop(lifecycle, serving)
     await api.start()
     await admin.start()
-    await _start_or_stop(lifecycle, serving, api, admin)
     _emit({"event": "ready", "port": api.port, "admin_port": admin.port, "pid": os.getpid(),
            "signal_guard": guards.to_dict()})
 

@@ -296,6 +296,15 @@ def aiperf_env(home: Path, *, hf_home: Path = AIPERF_HF_HOME) -> dict[str, str]:
     return env
 
 
+def missing(venv: Path = AIPERF_VENV, hf_home: Path = AIPERF_HF_HOME) -> str | None:
+    """Why aiperf cannot run here (the venv or the tokenizer is missing), or None."""
+    try:
+        check_installed(venv, hf_home)
+    except AiperfNotInstalled as exc:
+        return str(exc)
+    return None
+
+
 def check_installed(venv: Path = AIPERF_VENV, hf_home: Path = AIPERF_HF_HOME) -> None:
     """Raises :class:`AiperfNotInstalled` unless the venv and the tokenizer are in place."""
     if not (venv / "bin" / "aiperf").is_file():

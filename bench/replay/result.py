@@ -99,7 +99,7 @@ def run(config: ReplayConfig | None = None, names: Sequence[str] | None = None) 
         "its max_tokens (aiperf sends ignore_eos). aiperf_errors: aiperf's own error count "
         "(it counts a 200 stream ending in an error event as a success).",
         "Workers: quiesce serve --engine sim (simulated tokens, real HTTP, admission, "
-        "drain, etcd lease); router: bench.replay.router in the benchmark's process; "
+        "drain, etcd lease); router: bench.replay.router in its own process; "
         "etcd 3.4 (Debian) on loopback; aiperf 0.13.0 in its own environment.",
     ]
     dynamo = discovery.dynamo_samples(DYNAMO_SAMPLES)

@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 
 from quiesce.adapters.etcd.local import LocalEtcd, etcd_binary
+from tests.integration.real_parts import skip_unless_present
 
 pytestmark = pytest.mark.slow
 
-if etcd_binary() is None:
-    pytest.skip("the etcd binary is not on PATH: run ci/setup_etcd.sh "
-                "(apt-get install etcd-server)", allow_module_level=True)
+skip_unless_present(None if etcd_binary() is not None else
+                    "the etcd binary is not on PATH: run ci/setup_etcd.sh "
+                    "(apt-get install etcd-server)")
 aetcd = pytest.importorskip("aetcd", reason="aetcd is not installed: pip install "
                                             "'quiesce[etcd]'")
 

@@ -26,16 +26,14 @@ import pytest
 from bench.replay import aiperf
 from bench.replay.run import PolicyRun, ReplayConfig, replay
 from quiesce.adapters.etcd.local import etcd_binary
+from tests.integration.real_parts import skip_unless_present
 
 pytestmark = pytest.mark.slow
 
-if etcd_binary() is None:
-    pytest.skip("the etcd binary is not on PATH: run ci/setup_etcd.sh "
-                "(apt-get install etcd-server)", allow_module_level=True)
-try:
-    aiperf.check_installed()
-except aiperf.AiperfNotInstalled as exc:
-    pytest.skip(str(exc), allow_module_level=True)
+skip_unless_present(None if etcd_binary() is not None else
+                    "the etcd binary is not on PATH: run ci/setup_etcd.sh "
+                    "(apt-get install etcd-server)")
+skip_unless_present(aiperf.missing())
 
 LONG_TOKENS = 1000
 EVERY = 5

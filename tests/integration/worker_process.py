@@ -182,15 +182,17 @@ async def stream_completion(url: str, max_tokens: int, *, started: asyncio.Event
                 await answer.aread()
                 result.errors.append(answer.text)
             else:
-                await _read_events(answer, result, started)
+                await _read_events(answer, result, started, include_usage)
     except httpx.TransportError as exc:  # the worker went away mid-stream: a lost stream
         result.errors.append(f"transport error: {exc!r}")
     return result
 
 
 async def _read_events(answer: httpx.Response, result: StreamResult,
-                       started: asyncio.Event | None) -> None:
-    """Fold every server-sent event of a 200 ``answer`` into ``result`` (its docstring)."""
+                       started: asyncio.Event | None, usage_asked: bool) -> None:
+    """Fold every server-sent event of a 200 ``answer`` into ``result`` (its docstring).
+    A stream that ended without the usage chunk it was asked for counts no tokens and
+    says so in ``errors``."""
     chunks, usage_tokens = 0, None
     async for line in answer.aiter_lines():
         if not line.startswith("data: "):
@@ -214,6 +216,9 @@ async def _read_events(answer: httpx.Response, result: StreamResult,
             if choice.get("finish_reason"):
                 result.finish_reason = choice["finish_reason"]
         result.tokens = chunks if usage_tokens is None else usage_tokens
+    if usage_asked and usage_tokens is None:
+        result.tokens = 0
+        result.errors.append("the stream ended without the usage chunk it asked for")
 
 
 # -- how a signal reaches a worker's processes ---------------------------------------------

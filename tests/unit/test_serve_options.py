@@ -193,6 +193,11 @@ def test_etcd_discovery_options_reach_the_worker_options(
     (("--etcd", "h:2379", "--etcd-ttl", "0"), "etcd_ttl"),
     (("--advertise-url", "10.0.0.7:8000"), "advertise_url"),
     (("--advertise-url", "http://"), "advertise_url"),
+    (("--advertise-url", "http://h:notaport"), "advertise_url"),
+    (("--etcd", "h:\u00b2"), "etcd"),
+    (("--etcd", "::1"), "etcd"),
+    (("--etcd", "http://h:2379"), "etcd"),
+    (("--etcd", "h:2379", "--host", "0.0.0.0"), "advertise_url"),
 ])
 def test_bad_discovery_options_name_their_field(argv: tuple[str, ...], field: str) -> None:
     with pytest.raises(ConfigError) as raised:
@@ -204,3 +209,12 @@ def test_the_worker_name_defaults_to_host_and_pid(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("POD_NAME", raising=False)
     name = parse().name
     assert name.endswith(f"-{os.getpid()}") and len(name) > len(str(os.getpid())) + 1
+
+
+def test_an_ipv6_etcd_endpoint_and_listen_address_are_bracketed() -> None:
+    options = parse("--etcd", "[::1]:2379", "--host", "::1", "--name", "w")
+    assert options.etcd == ("::1", 2379)
+    assert options.etcd_config(8000).address == "http://[::1]:8000"
+    wildcard = parse("--etcd", "h:2379", "--host", "0.0.0.0",
+                     "--advertise-url", "http://10.0.0.7:8000")
+    assert wildcard.etcd_config(8000).address == "http://10.0.0.7:8000"

@@ -76,6 +76,9 @@ class _OsWithoutAffinity(ModuleType):
 def _without_core_pin(module: ModuleType) -> None:
     if getattr(module, "os", None) is os:
         module.os = _OsWithoutAffinity()  # type: ignore[attr-defined]
+    else:  # vLLM moved the call: say so loudly, the pin (and the flake) would be back
+        sys.stderr.write(f"nixl_cpu/sitecustomize.py: {CONNECTOR_MODULE} has no module-level"
+                         f" `os`; its core pin was NOT undone\n")
 
 
 def _without_progress_thread(module: ModuleType) -> None:

@@ -1,0 +1,24 @@
+"""Skip a module whose real outside part is missing, except where it must be there.
+
+``make test`` installs every real part the integration tests use (etcd, aiperf) and sets
+``QUIESCE_REQUIRE_REAL_PARTS=1``; there a missing part fails the collection instead of
+skipping the module, so that a broken set-up can never pass as green. Run by hand
+without the variable, a module skips with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+REQUIRE = "QUIESCE_REQUIRE_REAL_PARTS"
+
+
+def skip_unless_present(missing: str | None) -> None:
+    """At module level: ``missing`` is why the real part is not there (None: it is)."""
+    if missing is None:
+        return
+    if os.environ.get(REQUIRE):
+        pytest.fail(f"{missing} ({REQUIRE} is set: `make test` installs it)", pytrace=False)
+    pytest.skip(missing, allow_module_level=True)
