@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -141,6 +142,21 @@ async def replay(policy: str, config: ReplayConfig, workdir: Path, *,
     """Run the replay once under ``policy`` (see :data:`bench.replay.cluster.POLICIES`);
     aiperf's artifacts go to ``workdir``."""
     started = time.monotonic()
+    # SIGTERM (e.g. a CI timeout) cancels the replay, so that every process it started is
+    # stopped on the way out instead of outliving it.
+    loop, this = asyncio.get_running_loop(), asyncio.current_task()
+    assert this is not None
+    loop.add_signal_handler(signal.SIGTERM, this.cancel)
+    try:
+        return await _replay(policy, config, workdir, victim_by_cost=victim_by_cost,
+                             failed_request_threshold=failed_request_threshold,
+                             started=started)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _replay(policy: str, config: ReplayConfig, workdir: Path, *, victim_by_cost: bool,
+                  failed_request_threshold: float | None, started: float) -> PolicyRun:
     trace = workdir / "trace.jsonl"
     planned = len(aiperf.write_trace(trace, config.phases, seed=config.seed,
                                      **config.trace_options))
