@@ -89,8 +89,12 @@ test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VE
 		$(DYNAMO_VENV)/.installed $(AIPERF_VENV)/.installed
 	QUIESCE_REQUIRE_REAL_PARTS=1 $(BIN)/pytest --ignore=tests/integration/vllm \
 		--ignore=tests/integration/sglang
+	@# the engine tiers skip without their engine: make sure each one imports first
+	$(DYNAMO_BIN)/python -c 'import dynamo.runtime'
 	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
+	$(VLLM_BIN)/python -c 'import vllm'
 	$(VLLM_BIN)/pytest tests/integration/vllm
+	$(SGLANG_BIN)/python -W ignore -c 'import sglang.srt.managers.scheduler'
 	$(SGLANG_PYTEST) tests/integration/sglang
 
 bench: etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \

@@ -25,7 +25,7 @@ ENGINES = ("sim", "vllm", "sglang", "trtllm")
 MODEL_ENGINES = ("vllm", "sglang", "trtllm")
 """Engines that load a model (``--model`` required)."""
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+WILDCARD_HOSTS = ("0.0.0.0", "0", "::", "::0", "")
 """Addresses a server binds to but no router can connect to."""
 ETCD_OPTIONS = {"worker": "name", "prefix": "etcd_prefix", "ttl_s": "etcd_ttl",
                 "host": "etcd", "port": "etcd", "address": "advertise_url"}
@@ -112,12 +112,12 @@ class WorkerOptions:
         from quiesce.adapters.etcd import EtcdConfig  # noqa: PLC0415 (aetcd: lazily)
 
         assert self.etcd is not None
-        host, port = self.etcd
-        host = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
-        address = self.advertise_url or f"http://{host}:{api_port}"
+        etcd_host, etcd_port = self.etcd
+        listen = f"[{self.host}]" if ":" in self.host else self.host  # IPv6
+        address = self.advertise_url or f"http://{listen}:{api_port}"
         try:
             return EtcdConfig(worker=self.name, address=address, role=self.role.value,
-                              host=host, port=port, prefix=self.etcd_prefix,
+                              host=etcd_host, port=etcd_port, prefix=self.etcd_prefix,
                               ttl_s=self.etcd_ttl_s)
         except ConfigError as exc:  # name the option the operator typed
             option = ETCD_OPTIONS.get(exc.field, exc.field)

@@ -294,13 +294,19 @@ def _document_bearer(app: FastAPI) -> None:
     app.openapi = schema  # type: ignore[method-assign]
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (``port=0`` picks a free one; read it from ``getsockname``)."""
+LISTEN_BACKLOG = 128
+
+
+def bind_socket(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``port=0`` picks a free one; read it from
+    ``getsockname``), listening unless ``listen`` is False: then connections are refused
+    until the caller calls ``sock.listen(LISTEN_BACKLOG)``. Raises OSError (port in use)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    sock.listen(128)
+    if listen:
+        sock.listen(LISTEN_BACKLOG)
     sock.setblocking(False)
     return sock
 

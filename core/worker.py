@@ -51,7 +51,14 @@ from quiesce.openai_api import ServingEngine, create_completions_app
 from quiesce.pod_deletion_cost import DeletionCostPublisher, PodIdentity
 from quiesce.probe import QuiescenceProbe
 from quiesce.serve_options import WorkerOptions, options_from_args
-from quiesce.server import EmbeddedServer, bind_socket, check_bind, create_admin_app, load_token
+from quiesce.server import (
+    LISTEN_BACKLOG,
+    EmbeddedServer,
+    bind_socket,
+    check_bind,
+    create_admin_app,
+    load_token,
+)
 from quiesce.shutdown import SIGNALS, Shutdown, ShutdownPolicy, exit_immediately
 from quiesce.signal_guard import SignalOwnership
 
@@ -187,10 +194,10 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     pod = PodIdentity.from_environment() if options.publish_deletion_cost else None
     _check_installed(options)
     drain_config = DrainConfig(router_grace_s=options.router_grace_s)
-    # Sockets and the discovery client too, so that a port in use or a bad discovery
-    # setting fails at once. What connects before the servers start waits in the backlog.
-    api_socket = bind_socket(options.host, options.port)
-    admin_socket = bind_socket(options.admin_host, options.admin_port)
+    # The ports and the discovery client too, so that a port in use or a bad discovery
+    # setting fails at once; the ports refuse connections until the worker registers.
+    api_socket = bind_socket(options.host, options.port, listen=False)
+    admin_socket = bind_socket(options.admin_host, options.admin_port, listen=False)
     discovery = build_discovery(options, api_socket.getsockname()[1])
     serving = build_serving(options)
     await serving.start()
@@ -230,6 +237,9 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
                            admin_socket)
     # Registered before the servers start: nothing is served (and /health/ready does not
     # answer) until routers can find the worker; a failed registration serves nothing.
+    # What connects during the registration (a few ms) waits in the listen backlog.
+    for sock in (api_socket, admin_socket):
+        sock.listen(LISTEN_BACKLOG)
     await _start_or_stop(lifecycle, serving)
     await api.start()
     await admin.start()

@@ -153,6 +153,12 @@ class EtcdConfig:
         return self.keepalive_s if self.keepalive_s is not None else self.ttl_s / 3
 
 
+def grpc_host(host: str) -> str:
+    """``host`` as gRPC's target wants it: an IPv6 address in brackets (aetcd joins
+    ``host:port`` as given)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return True
@@ -210,7 +216,7 @@ class EtcdDiscovery:
 
     def _etcd(self) -> Any:
         if self._client is None:
-            self._client = self._aetcd.Client(self.config.host, self.config.port,
+            self._client = self._aetcd.Client(grpc_host(self.config.host), self.config.port,
                                               options=dict(GRPC_OPTIONS))
         return self._client
 
@@ -415,7 +421,7 @@ class EtcdWatcher:
         if not isinstance(prefix, str) or not prefix.startswith("/") or prefix.endswith("/"):
             raise ConfigError("prefix", f"must start and not end with '/', got {prefix!r}")
         self._aetcd = _aetcd()
-        self._client = self._aetcd.Client(host, port, options=dict(GRPC_OPTIONS))
+        self._client = self._aetcd.Client(grpc_host(host), port, options=dict(GRPC_OPTIONS))
         self._prefix = (prefix + "/").encode()
         self.instances: dict[str, dict[str, Any]] = {}
         self._watchers: list[Watcher] = []

@@ -146,7 +146,14 @@ async def replay(policy: str, config: ReplayConfig, workdir: Path, *,
     # stopped on the way out instead of outliving it.
     loop, this = asyncio.get_running_loop(), asyncio.current_task()
     assert this is not None
-    loop.add_signal_handler(signal.SIGTERM, this.cancel)
+    terminated: list[bool] = []
+
+    def cancel_once() -> None:  # a second SIGTERM must not interrupt the cleanup
+        if not terminated:
+            terminated.append(True)
+            this.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, cancel_once)
     try:
         return await _replay(policy, config, workdir, victim_by_cost=victim_by_cost,
                              failed_request_threshold=failed_request_threshold,

@@ -10,6 +10,7 @@ never asserted.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,8 +26,9 @@ pytestmark = pytest.mark.slow
 skip_unless_present(None if etcd_binary() is not None else
                     "the etcd binary is not on PATH: run ci/setup_etcd.sh "
                     "(apt-get install etcd-server)")
-aetcd = pytest.importorskip("aetcd", reason="aetcd is not installed: pip install "
-                                            "'quiesce[etcd]'")
+skip_unless_present(None if importlib.util.find_spec("aetcd") else
+                    "aetcd is not installed: pip install 'quiesce[etcd]'")
+import aetcd  # type: ignore[import-untyped, unused-ignore]  # noqa: E402
 
 from quiesce.adapters.etcd import (  # noqa: E402
     DiscoveryUnavailable,

@@ -9,6 +9,7 @@ the worker at start with exit code 2 and one line naming the problem.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 skip_unless_present(None if etcd_binary() is not None else
                     "the etcd binary is not on PATH: run ci/setup_etcd.sh "
                     "(apt-get install etcd-server)")
-pytest.importorskip("aetcd", reason="aetcd is not installed: pip install 'quiesce[etcd]'")
+skip_unless_present(None if importlib.util.find_spec("aetcd") else
+                    "aetcd is not installed: pip install 'quiesce[etcd]'")
 
 from quiesce.adapters.etcd import EtcdWatcher  # noqa: E402
 

@@ -178,6 +178,7 @@ def test_etcd_discovery_options_reach_the_worker_options(
     config = options.etcd_config(8100)
     assert (config.worker, config.address, config.role, config.prefix, config.ttl_s) == (
         "decode-7f9c", "http://127.0.0.1:8100", "decode", "/llm/workers", 6)
+    assert (config.host, config.port) == ("etcd.svc", 2379)  # etcd's, not the worker's
     advertised = parse("--etcd", "127.0.0.1:2379", "--name", "w1",
                        "--advertise-url", "http://10.0.0.7:8000")
     assert advertised.etcd_config(0).address == "http://10.0.0.7:8000"
@@ -212,9 +213,10 @@ def test_the_worker_name_defaults_to_host_and_pid(monkeypatch: pytest.MonkeyPatc
 
 
 def test_an_ipv6_etcd_endpoint_and_listen_address_are_bracketed() -> None:
-    options = parse("--etcd", "[::1]:2379", "--host", "::1", "--name", "w")
-    assert options.etcd == ("::1", 2379)
-    assert options.etcd_config(8000).address == "http://[::1]:8000"
+    options = parse("--etcd", "[fd00::5]:2379", "--host", "::1", "--name", "w")
+    assert options.etcd == ("fd00::5", 2379)
+    config = options.etcd_config(8000)
+    assert (config.address, config.host) == ("http://[::1]:8000", "fd00::5")
     wildcard = parse("--etcd", "h:2379", "--host", "0.0.0.0",
                      "--advertise-url", "http://10.0.0.7:8000")
     assert wildcard.etcd_config(8000).address == "http://10.0.0.7:8000"
