@@ -8,9 +8,12 @@ without the variable, a module skips with the reason.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
+
+from quiesce.adapters.etcd.local import etcd_binary
 
 REQUIRE = "QUIESCE_REQUIRE_REAL_PARTS"
 
@@ -22,3 +25,14 @@ def skip_unless_present(missing: str | None) -> None:
     if os.environ.get(REQUIRE, "0") not in ("", "0"):
         pytest.fail(f"{missing} ({REQUIRE} is set: `make test` installs it)", pytrace=False)
     pytest.skip(missing, allow_module_level=True)
+
+
+def require_etcd(client: bool = True) -> None:
+    """At module level: the etcd server binary (``ci/setup_etcd.sh``) and, with ``client``,
+    the aetcd client library."""
+    skip_unless_present(None if etcd_binary() is not None else
+                        "the etcd binary is not on PATH: run ci/setup_etcd.sh "
+                        "(apt-get install etcd-server)")
+    if client:
+        skip_unless_present(None if importlib.util.find_spec("aetcd") else
+                            "aetcd is not installed: pip install 'quiesce[etcd]'")

@@ -10,7 +10,6 @@ never asserted.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,16 +17,12 @@ from typing import Any
 
 import pytest
 
-from quiesce.adapters.etcd.local import LocalEtcd, etcd_binary
-from tests.integration.real_parts import skip_unless_present
+from quiesce.adapters.etcd.local import LocalEtcd
+from tests.integration.real_parts import require_etcd
 
 pytestmark = pytest.mark.slow
 
-skip_unless_present(None if etcd_binary() is not None else
-                    "the etcd binary is not on PATH: run ci/setup_etcd.sh "
-                    "(apt-get install etcd-server)")
-skip_unless_present(None if importlib.util.find_spec("aetcd") else
-                    "aetcd is not installed: pip install 'quiesce[etcd]'")
+require_etcd()
 import aetcd  # type: ignore[import-untyped, unused-ignore]  # noqa: E402
 
 from quiesce.adapters.etcd import (  # noqa: E402

@@ -25,14 +25,11 @@ import pytest
 
 from bench.replay import aiperf
 from bench.replay.run import PolicyRun, ReplayConfig, replay
-from quiesce.adapters.etcd.local import etcd_binary
-from tests.integration.real_parts import skip_unless_present
+from tests.integration.real_parts import require_etcd, skip_unless_present
 
 pytestmark = pytest.mark.slow
 
-skip_unless_present(None if etcd_binary() is not None else
-                    "the etcd binary is not on PATH: run ci/setup_etcd.sh "
-                    "(apt-get install etcd-server)")
+require_etcd()
 skip_unless_present(aiperf.missing())
 
 LONG_TOKENS = 1000

@@ -9,24 +9,19 @@ the worker at start with exit code 2 and one line naming the problem.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from quiesce.adapters.etcd.local import LocalEtcd, etcd_binary
-from tests.integration.real_parts import skip_unless_present
+from quiesce.adapters.etcd.local import LocalEtcd
+from tests.integration.real_parts import require_etcd
 from tests.integration.worker_process import start_worker, stream_completion, worker_env
 
 pytestmark = pytest.mark.slow
 
-skip_unless_present(None if etcd_binary() is not None else
-                    "the etcd binary is not on PATH: run ci/setup_etcd.sh "
-                    "(apt-get install etcd-server)")
-skip_unless_present(None if importlib.util.find_spec("aetcd") else
-                    "aetcd is not installed: pip install 'quiesce[etcd]'")
+require_etcd()
 
 from quiesce.adapters.etcd import EtcdWatcher  # noqa: E402
 
