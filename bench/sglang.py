@@ -129,7 +129,7 @@ def run() -> Result:
                     read_requests, tm, Role.PREFILL), SAMPLES))
                 record("load_snapshot", _timed(functools.partial(
                     read_load_snapshot, tm, Role.PREFILL, expected_ranks=1), SAMPLES))
-        with get_parallel().override(pp_size=1):
+        with get_parallel().override(pp_size=1, pp_rank=0, tp_rank=0, dp_rank=None):
             scheduler = shells.scheduler("prefill")
             record("scheduler_state", _timed(lambda: read_scheduler_state(scheduler), SAMPLES))
             plugin._registered.clear()

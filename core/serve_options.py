@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from quiesce.adapters.nvml import parse_devices
 from quiesce.adapters.sim import SimConfig
+from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError
 from quiesce.probe import Role
 from quiesce.shutdown import ShutdownPolicy
@@ -274,3 +275,36 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
         name=args.name if args.name is not None else default_name(),
         etcd=parse_endpoint("etcd", args.etcd), etcd_prefix=args.etcd_prefix,
         etcd_ttl_s=args.etcd_ttl, advertise_url=args.advertise_url)
+
+
+# -- quiesce dynamo COMPONENT [options] -- ARGS --------------------------------------
+
+DYNAMO_COMPONENTS = ("vllm",)
+"""Dynamo worker components ``quiesce dynamo`` runs (``python -m dynamo.<name>``)."""
+
+
+def add_dynamo_arguments(parser: argparse.ArgumentParser) -> None:
+    """``quiesce dynamo COMPONENT [options] -- ARGS``: ARGS go to Dynamo unchanged (the
+    CLI splits them off at ``--`` before parsing, into ``args.args``)."""
+    parser.add_argument("component", choices=DYNAMO_COMPONENTS,
+                        help="the Dynamo worker component to run (python -m dynamo.COMPONENT)")
+    parser.add_argument("--admin-host", default="127.0.0.1", help="admin API address")
+    parser.add_argument("--admin-port", type=int, default=8001, help="admin API port")
+    parser.add_argument("--admin-token-file", default=None,
+                        help="file with the admin bearer token (else $QUIESCE_ADMIN_TOKEN)")
+    parser.add_argument("--budget", type=float, default=30.0,
+                        help="shutdown budget from SIGTERM to exit, s (%(default)s)")
+    parser.add_argument("--reserve", type=float, default=None,
+                        help="part of the budget kept for abort and Dynamo's teardown, s "
+                             "(default: a fifth of the budget, at most 5)")
+    parser.add_argument("--router-grace", type=float, default=1.0,
+                        help="keep admitting this long after unregistering, s (%(default)s; "
+                             "Dynamo's frontends drop an unregistered instance in ms)")
+
+
+def dynamo_policy(args: argparse.Namespace) -> tuple[ShutdownPolicy, DrainConfig]:
+    """The shutdown budget and drain settings of ``quiesce dynamo``; ConfigError naming
+    the field for bad values."""
+    reserve = args.reserve if args.reserve is not None else min(5.0, max(args.budget, 0) / 5)
+    return (ShutdownPolicy(total_s=args.budget, cleanup_reserve_s=reserve),
+            DrainConfig(router_grace_s=args.router_grace))

@@ -6,11 +6,16 @@ tests/integration/sglang). By process:
 - **main process** (holds ``Engine`` / ``TokenizerManager``):
   :class:`SglangProbe` (:mod:`.probe`) ANDs the scheduler's own ``is_fully_idle()`` on
   every DP rank (:mod:`.scheduler_rpc`, one bounded round trip) with ``rid_to_state`` and
-  the shared-memory load snapshot (:mod:`.frontend`, no round trip);
-  :class:`SglangEngineControl` (:mod:`.control`) aborts everything (forced path) and
-  shuts the engine down; :mod:`.signals` keeps SGLang's own SIGTERM drain out;
+  the shared-memory load snapshot (:mod:`.frontend`, no round trip), for the layout
+  SGLang resolved (:mod:`.topology`: DP ranks = ``dp_size * attn_dp_size``; PP > 1 on a
+  disaggregated worker is UNKNOWN);
+  :class:`SglangEngineControl` (:mod:`.control`) aborts everything (forced path; on
+  prefill it waits for aborted KV writes, or counts them abandoned) and shuts the
+  engine down; :mod:`.signals` keeps SGLang's own SIGTERM drain out;
   :mod:`.serving` runs the engine behind ``quiesce serve``.
-- **scheduler processes**: :mod:`.scheduler_state` reads the queues; :mod:`.plugin`
+- **scheduler processes**: :mod:`.scheduler_state` reads the queues (and what
+  ``is_fully_idle`` does not cover), with its rank and a fingerprint of
+  ``is_fully_idle`` (:mod:`.idle_fingerprint`); :mod:`.plugin`
   (entry point ``sglang.srt.plugins``) hooks it into ``get_internal_state`` and guards
   every SGLang process's SIGTERM/SIGINT.
 

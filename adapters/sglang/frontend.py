@@ -15,7 +15,8 @@ Runs in: the worker's main process (it holds SGLang's ``Engine`` and its
 - :func:`read_load_snapshot`: ``tokenizer_manager.load_snapshot_reader.read_all()``
   (0.5.21 and later), the shared-memory load snapshot each DP leader writes after every
   batch and on every idle loop iteration (``Scheduler.publish_load_snapshot``). Required:
-  one slot per DP rank, each with a timestamp (a slot never published reads 0.0) no
+  one slot per DP rank (resolved ``dp_size * attn_dp_size``, :mod:`.topology`: every
+  attention-DP group leader publishes), each with a timestamp (a slot never published reads 0.0) no
   older than ``max_age_s``, and the disaggregation section in the mode that matches the
   role. Counts: running, waiting (on prefill with the bootstrap queue; on decode with the
   prealloc, transfer and retracted queues), prefill inflight (the KV sends held),
@@ -46,13 +47,6 @@ def server_args_of(tokenizer_manager: Any) -> Any:
     return getattr(tokenizer_manager, "server_args", None)
 
 
-def dp_size_of(tokenizer_manager: Any) -> int | None:
-    """How many DP ranks answer (``server_args.dp_size``); None if it cannot be read."""
-    value = getattr(server_args_of(tokenizer_manager), "dp_size", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 \
-        else None
-
-
 def read_requests(tokenizer_manager: Any, role: Role) -> PendingWork:
     """``rid_to_state`` as the queue ``tokenizer_requests`` (module docstring)."""
     workers = getattr(server_args_of(tokenizer_manager), "tokenizer_worker_num", 1)
@@ -78,7 +72,8 @@ def read_load_snapshot(tokenizer_manager: Any, role: Role, *, expected_ranks: in
                                    "load_snapshot_reader (SGLang before 0.5.21)")
     if expected_ranks is None:
         return PendingWork.unknown(role, SNAPSHOT_SOURCE,
-                                   "cannot read the number of DP ranks (server_args.dp_size)")
+                                   "cannot read the number of DP ranks (server_args.dp_size "
+                                   "× attn_dp_size)")
     try:
         loads = list(reader.read_all())
     except Exception as exc:
@@ -118,6 +113,10 @@ def snapshot_work(loads: list[Any], role: Role, *, expected_ranks: int, max_age_
                             "grammar"), 0)
     oldest = now
     try:
+        ranks = sorted(int(load.dp_rank) for load in loads)
+        if ranks != list(range(expected_ranks)):
+            return PendingWork.unknown(role, SNAPSHOT_SOURCE, f"the load snapshot's slots are "
+                                       f"DP ranks {ranks}, expected 0..{expected_ranks - 1}")
         for load in loads:
             problem = _load_problem(load, want_mode, now, max_age_s)
             if problem is not None:
@@ -172,8 +171,9 @@ def _fast(requests: int, loads: list[Any], role: Role, expected_ranks: int,
         return None
     now, want_mode = time.time(), MODE_OF_ROLE[role]
     running = waiting = sends = recvs = grammar = 0
-    for load in loads:
-        if _load_problem(load, want_mode, now, max_age_s) is not None:
+    for index, load in enumerate(loads):
+        if load.dp_rank != index \
+                or _load_problem(load, want_mode, now, max_age_s) is not None:
             return None
         disagg = load.disaggregation
         running += int(load.num_running_reqs)

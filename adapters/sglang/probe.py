@@ -25,6 +25,11 @@ HiCache operations, which the status then cannot show: use it knowingly. ``rid_t
 alone never proves quiescence (it counts requests, not the counters a role needs): without
 the scheduler the load snapshot must be there too.
 
+Layout (:mod:`.topology`, resolved by SGLang's own resolver): the DP ranks expected are
+``dp_size * attn_dp_size`` (every attention-DP group leader answers and publishes); a
+prefill or decode worker with ``pp_size > 1`` is UNKNOWN (only pipeline stage 0 answers,
+a later stage can still owe decode its KV). Answers are keyed by the DP rank each names.
+
 What the probe never does, and why:
 
 - never pauses the engine (``pause_generation``): in mode ``abort`` it aborts every
@@ -53,15 +58,17 @@ from .frontend import (
     DEFAULT_SNAPSHOT_MAX_AGE_S,
     REQUESTS_SOURCE,
     SNAPSHOT_SOURCE,
-    dp_size_of,
     main_process_work,
     read_requests,
 )
+from .idle_fingerprint import accepted_fingerprints
 from .scheduler_rpc import DEFAULT_SCHEDULER_TIMEOUT_S, SCHEDULER_SOURCE, SchedulerStateReader
+from .topology import dp_ranks_of, topology_problem
 
 TESTED_VERSIONS = ("0.5.23",)
 """SGLang releases this adapter was contract-tested against (tests/integration/sglang)."""
 VERSION_SOURCE = "sglang.version"
+TOPOLOGY_SOURCE = "sglang.topology"
 
 
 def installed_sglang_version() -> str | None:
@@ -94,14 +101,18 @@ class SglangProbe(Probe):
 
     ``snapshot``: None reads the load snapshot where the TokenizerManager has one;
     True requires it; False skips it. Timeouts and ages must be positive
-    (:class:`ConfigError` otherwise, before anything is read).
+    (:class:`ConfigError` otherwise, before anything is read). ``idle_fingerprints``:
+    fingerprints of ``Scheduler.is_fully_idle`` to accept besides the tested ones
+    (:mod:`.idle_fingerprint`; the UNKNOWN reason names the one a scheduler runs).
+    The layout (DP ranks, pipeline stages: :mod:`.topology`) is read once, here.
     """
 
     def __init__(self, engine: Any, role: Role | str = Role.AGGREGATED, *,
                  scheduler: bool = True, snapshot: bool | None = None,
                  scheduler_timeout_s: float = DEFAULT_SCHEDULER_TIMEOUT_S,
                  snapshot_max_age_s: float = DEFAULT_SNAPSHOT_MAX_AGE_S,
-                 allow_untested_version: bool = False) -> None:
+                 allow_untested_version: bool = False,
+                 idle_fingerprints: tuple[str, ...] = ()) -> None:
         for field, value in (("scheduler_timeout_s", scheduler_timeout_s),
                              ("snapshot_max_age_s", snapshot_max_age_s)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
@@ -115,30 +126,39 @@ class SglangProbe(Probe):
         self.tokenizer_manager = tokenizer_manager_of(engine)
         self._snapshot = snapshot
         self.snapshot_max_age_s = float(snapshot_max_age_s)
-        self.scheduler = (SchedulerStateReader(self.tokenizer_manager, scheduler_timeout_s)
+        fingerprints = accepted_fingerprints(tuple(idle_fingerprints))
+        self.scheduler = (SchedulerStateReader(self.tokenizer_manager, scheduler_timeout_s,
+                                               fingerprints=fingerprints)
                           if scheduler else None)
+        self.dp_ranks = dp_ranks_of(self.tokenizer_manager)
+        self._topology_problem = topology_problem(self.tokenizer_manager, self.role)
         self.version = installed_sglang_version()
         self._version_problem = None if allow_untested_version else version_problem(
             self.version)
 
     def main_process_work(self) -> PendingWork:
-        """The signals read without a round trip (requests, load snapshot), merged.
+        """The signals read without a round trip (requests, load snapshot), merged; with
+        the layout's problem, if any (UNKNOWN).
 
         Synchronous and cheap (µs): what the benchmark measures as the main-process path.
         """
         manager = self.tokenizer_manager
         has_reader = getattr(manager, "load_snapshot_reader", None) is not None
         if self._snapshot is False or (self._snapshot is None and not has_reader):
-            return read_requests(manager, self.role)
-        return main_process_work(manager, self.role, expected_ranks=dp_size_of(manager),
-                                 max_age_s=self.snapshot_max_age_s)
+            work = read_requests(manager, self.role)
+        else:
+            work = main_process_work(manager, self.role, expected_ranks=self.dp_ranks,
+                                     max_age_s=self.snapshot_max_age_s)
+        if self._topology_problem is None:
+            return work
+        return PendingWork.merge(self.role, [work, PendingWork.unknown(
+            self.role, TOPOLOGY_SOURCE, self._topology_problem)])
 
     async def pending_work(self) -> PendingWork:
         # main process first: a request on its way to the scheduler is seen only there
         parts = [self.main_process_work()]
         if self.scheduler is not None:
-            parts.append(await self.scheduler.read(self.role,
-                                                   dp_size_of(self.tokenizer_manager)))
+            parts.append(await self.scheduler.read(self.role, self.dp_ranks))
         if self._version_problem is not None:
             parts.append(PendingWork.unknown(self.role, VERSION_SOURCE, self._version_problem))
         return parts[0] if len(parts) == 1 else PendingWork.merge(self.role, parts)

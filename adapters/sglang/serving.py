@@ -120,7 +120,7 @@ class SglangServing:
         # registers its own right after start() returns, replacing them on the loop.
         own_main_process_signals(manager)
         self._probe = SglangProbe(self.engine, self.role)
-        self._control = SglangEngineControl(self.engine)
+        self._control = SglangEngineControl(self.engine, self.role)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The conversation through the tokenizer's chat template (with the generation

@@ -7,13 +7,16 @@ Modules, each with its contract in its docstring:
   (``AsyncTransferManager`` vs ``ctx_in_transmission_requests``, the waiting queue on
   ``PyExecutor`` vs on ``ExecutorRequestQueue``);
 - :mod:`.executor_reader`: one ``PyExecutor``'s pending work, read in its own process;
+- :mod:`.zero_confirmation`: a zero reading accepted only once confirmed across a pass
+  of the executor loop;
 - :mod:`.probe`: the probe per layout (in-process, Ray, multi-process proxy) and the
   registry entry point :func:`probe_factory`;
 - :mod:`.ray_extension`: the Ray worker extension that runs the reading in every rank;
 - :mod:`.control`: ``abort_all`` and ``shutdown`` (:class:`TrtllmEngineControl`);
 - :mod:`.serving`: ``quiesce serve --engine trtllm`` (:class:`~.serving.TrtllmServing`,
   imported from its module so that this package stays light);
-- :mod:`.doctor`: ``quiesce doctor trtllm`` and :func:`~.doctor.startup_check`.
+- :mod:`.doctor`: ``quiesce doctor trtllm`` and :func:`~.doctor.startup_check`, over
+  :mod:`.source_index` (what each class of a source file defines, read with ``ast``).
 
 Signals, per layout (the worker owns SIGTERM/SIGINT, :mod:`quiesce.signal_guard`):
 

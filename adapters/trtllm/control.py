@@ -11,6 +11,11 @@
   not wait for it), or with ``llm._executor.abort_request(id)`` where a result has no
   ``abort``. A missing map raises (the shutdown reports the abort stage FAILED with the
   reason); the copy is retried when the response thread changes the map meanwhile.
+  **Old Ray builds**: ``RayExecutor.submit`` before the RPC executor (ray_executor.py
+  50a6f3cc) enqueues on the leader worker and never fills ``_results``. Where a
+  ``RayExecutor``'s map is missing or empty, the requests are found in the Ray workers
+  instead (:mod:`.ray_extension`: every rank lists the ids its ``PyExecutor`` holds, then
+  the leader cancels their union with ``PyExecutor.cancel_request``), two Ray calls.
 - **Abandoned KV.** Context requests whose KV a decode worker may still be pulling have
   finished their result already, so nothing above aborts them, and TensorRT-LLM's
   ``shutdown`` frees their KV **without waiting for the pull**: the decoder may read
@@ -20,6 +25,14 @@
   every rank for Ray; unknowable for the MPI proxy, which is logged), logs them at
   WARNING as abandoned KV, and adds them to what it returns, so that the shutdown
   report's ``aborted`` count includes them.
+- ``wake_idle_loop`` (opt-in, never called by the probe): the reaping trigger for the
+  idle-loop gap (docs/trtllm.md). When the in-process executor's loop is parked on its
+  empty request queue while context transfers are counted (``idle_transfer_gap``), it
+  enqueues one cancel for :data:`WAKE_REQUEST_ID`, an id no request can have, through
+  ``PyExecutor.cancel_request``: the loop wakes, runs one pass (in the Jan-2026 source
+  a pass with nothing to fit calls ``_check_disagg_ctx_cache_transfer_status(1)``,
+  which reaps finished transfers) and parks again. The cancel matches nothing. Refused,
+  with the reason, in every other state, and under Ray or the MPI proxy.
 - ``shutdown`` runs ``llm.shutdown()`` off the event loop (it joins the executor's
   threads or processes). The worker calls it only after the drain proved the engine
   idle, or after ``abort_all``: ``PyExecutor.shutdown`` finishes active and waiting
@@ -34,11 +47,33 @@ import threading
 from typing import Any, Final
 
 from .executor_reader import read_py_executor
-from .ray_extension import METHOD
+from .ray_extension import CANCEL, METHOD, REQUEST_IDS
 
 log = logging.getLogger("quiesce.adapters.trtllm.control")
 
 COPY_ATTEMPTS: Final = 5
+WAKE_REQUEST_ID: Final = 2**63 - 1
+"""No request has this id: local ids are below ``MIN_GLOBAL_ID`` and global ones are
+rotated into ``[MIN_GLOBAL_ID, 2**63 - 1)`` (``llmapi/disagg_utils.py``); it fits the
+int64/uint64 of every id set."""
+
+
+def wake_idle_loop(executor: Any) -> str | None:
+    """Wake ``executor``'s parked loop so that a pass reaps finished context transfers
+    (module docstring). None when the wake-up was sent, else why it was not. Reads first
+    (microseconds), then at most one ``cancel_request``."""
+    reading = read_py_executor(executor)
+    if reading["errors"]:
+        return f"not sent: the reading has errors ({'; '.join(reading['errors'])})"
+    if not reading["idle_transfer_gap"]:
+        return "not sent: no context transfer is held by an idle executor"
+    if not reading["parked"]:
+        return "not sent: the executor loop is not parked on its request queue"
+    cancel = getattr(executor, "cancel_request", None)
+    if not callable(cancel):
+        return "not sent: PyExecutor.cancel_request is missing (layout drift)"
+    cancel(WAKE_REQUEST_ID)
+    return None
 
 
 def _unfinished(executor: Any) -> list[tuple[Any, Any]]:
@@ -83,10 +118,31 @@ class TrtllmEngineControl:
     def __init__(self, llm: Any) -> None:
         self.llm = llm
 
+    def _abort_in_ray_workers(self) -> int:
+        """Cancel, in the Ray workers, every request their executors hold (module
+        docstring); returns how many were asked. Raises what the Ray calls raise."""
+        ids: set[int] = set()
+        for answer in self.llm._collective_rpc(REQUEST_IDS):
+            ids.update(i for i in answer if isinstance(i, int))
+        if not ids:
+            return 0
+        asked = self.llm._collective_rpc(CANCEL, args=(sorted(ids),))
+        return max((n for n in asked if isinstance(n, int)), default=0)
+
     def _abort_blocking(self, stop: threading.Event) -> tuple[int, int]:
         executor = self.llm._executor
         aborted = 0
-        for request_id, result in _unfinished(executor):
+        unfinished: list[tuple[Any, Any]] = []
+        if type(executor).__name__ == "RayExecutor":
+            try:
+                unfinished = _unfinished(executor)
+            except LookupError:
+                unfinished = []
+            if not unfinished:  # an old RayExecutor never fills _results
+                aborted = self._abort_in_ray_workers()
+        else:
+            unfinished = _unfinished(executor)
+        for request_id, result in unfinished:
             if stop.is_set():  # the caller's deadline passed: leave the rest
                 break
             abort = getattr(result, "abort", None)
@@ -116,6 +172,15 @@ class TrtllmEngineControl:
             stop.set()
             raise
         return aborted + held
+
+    async def wake_idle_loop(self) -> str | None:
+        """:func:`wake_idle_loop` on the single-process worker's executor; elsewhere (Ray,
+        the MPI proxy, no engine) not sent, with the reason."""
+        engine = getattr(getattr(self.llm, "_executor", None), "engine", None)
+        if engine is None:
+            return ("not sent: no PyExecutor in this process (Ray or the MPI proxy, or "
+                    "shut down)")
+        return wake_idle_loop(engine)  # microseconds: a reading and one enqueue
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.llm.shutdown)

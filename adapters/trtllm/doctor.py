@@ -1,4 +1,5 @@
-"""Drift check without a GPU: do TensorRT-LLM's sources still define what the adapter reads?
+"""Drift check without a GPU: do TensorRT-LLM's sources still define what the adapter reads,
+as what it reads them as, on the object the executor loop uses?
 
 ``quiesce doctor trtllm [--source DIR] [--json]`` and, at a worker's start-up,
 :func:`startup_check`. Nothing of TensorRT-LLM is imported (it needs CUDA, TensorRT and
@@ -6,14 +7,34 @@ NCCL to import at all): the package is located with ``importlib.util.find_spec``
 finds a top-level package without running it) or the distribution's file list, or taken
 from ``--source`` (a checkout of the TensorRT-LLM repository, an unpacked wheel, or the
 ``tensorrt_llm`` package directory itself), and the files named in :mod:`.layouts` are
-parsed with :mod:`ast`.
+parsed with :mod:`ast` (:mod:`.source_index`).
 
-For each :class:`~.layouts.Requirement` the result is ``found`` (its newest layout),
-``alternative`` (an older known layout) or ``missing``. The verdict is OK when every
-*required* one is found or alternative: the in-process probe can then read every count
-on this version. Where one is missing the probe still runs, but fails closed (UNKNOWN)
-for good, so a drain can only end at its budget: the doctor says so and exits 1.
-Optional requirements (the weaker paths, a narrower count) are reported, never fatal.
+For each :class:`~.layouts.Requirement` the result is one of
+
+- ``found`` (its newest layout holds) or ``alternative`` (an older known layout holds);
+- ``wrong-kind``: the layout the probe would take exists, but a name has another kind
+  than the probe uses (a method turned into a property or an attribute: the probe's
+  call raises, and it stays UNKNOWN for good);
+- ``stale``: the layout the probe would take exists, but a name is not live (assigned
+  and never read by its class: a leftover of the same name while the live object
+  moved, or a fallback of the other layout that nothing uses any more: the probe would
+  read it and see nothing), or its value is not what the probe needs;
+- ``missing``: no known layout's names are there;
+- ``incomplete``: a file that must be there is not on disk (listed in the
+  distribution's file list but absent, or, without a file list, absent for every
+  layout): an **incomplete install**, not drift.
+
+Which layout "the probe would take" follows the probe: for most requirements the first
+layout whose names exist (so a renamed preferred name silently falls back to the next
+layout, which must then be live); for the control lists, every layout present (the probe
+adds them up), one of which must hold.
+
+The verdict (:attr:`DriftReport.status`): ``incomplete`` when a required requirement is
+incomplete (exit :data:`EXIT_INCOMPLETE`), else ``drift`` when one is not found or
+alternative (exit 1: the probe would report UNKNOWN for good, or worse, read a stale
+object), else ``ok`` (exit 0). :attr:`DriftReport.exit_code` carries it. Optional
+requirements (the weaker paths, a narrower count, the zero confirmation's helpers)
+are reported, never fatal.
 
 Costs: one parse of each named file (py_executor.py is ~450 KB on recent builds; about
 0.2 s in all). Errors are typed: :class:`SourceNotFound` (nothing to check) and
@@ -28,122 +49,121 @@ import dataclasses
 import importlib.metadata
 import importlib.util
 import logging
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Final, Literal
 
-from quiesce.errors import QuiesceError
-
 from .layouts import CTX_IN_TRANSMISSION, REQUIREMENTS, Layout, Member, Requirement
+from .source_index import (
+    DoctorError,
+    SourceNotFound,
+    Sources,
+    SourceUnreadable,
+    targets,
+)
+
+__all__ = ["EXIT_DRIFT", "EXIT_INCOMPLETE", "EXIT_OK", "DoctorError", "DriftReport",
+           "RequirementResult", "SourceNotFound", "SourceUnreadable", "check",
+           "check_installed", "locate_installed", "package_dir", "source_version",
+           "startup_check"]
 
 log = logging.getLogger("quiesce.adapters.trtllm.doctor")
 
 PACKAGE: Final = "tensorrt_llm"
-Status = Literal["found", "alternative", "missing"]
+EXIT_OK: Final = 0
+EXIT_DRIFT: Final = 1
+EXIT_INCOMPLETE: Final = 7
+"""An incomplete install: a file the adapter reads is not on disk (not drift)."""
+Status = Literal["found", "alternative", "wrong-kind", "stale", "missing", "incomplete"]
+USABLE: Final = frozenset({"found", "alternative"})
 
 
-class DoctorError(QuiesceError):
-    """The drift check could not run; nothing was checked."""
+@dataclasses.dataclass(frozen=True)
+class _MemberCheck:
+    """One member looked up: where, whether defined, what is wrong with it."""
+
+    member: Member
+    file: str | None
+    defined: bool
+    problem: str  # "" when usable; else "wrong-kind: ..." or "stale: ..."
+    note: str
+    absent_files: tuple[str, ...]  # candidate files not on disk (all of them, or none)
+    value: str | None = None
 
 
-class SourceNotFound(DoctorError):
-    """No TensorRT-LLM sources where they were looked for."""
+def _judge(member: Member, kinds: set[str], reads: bool, bumps: bool,
+           value: str | None) -> str:
+    """"" when the definition is usable as the probe uses it, else why not."""
+    what = member.describe()
+    if member.kind == "method" and kinds != {"method"}:
+        return (f"wrong-kind: {what} is {'/'.join(sorted(kinds))}, the probe calls it "
+                "as a method")
+    if member.kind == "attribute" and not kinds & {"attribute", "property"}:
+        return (f"wrong-kind: {what} is a method, the probe reads it as an attribute")
+    if member.live == "read" and "attribute" in kinds and not reads:
+        return (f"stale: {what} is assigned but its class never reads it: the executor "
+                "loop uses another object")
+    if member.live == "bumped" and not bumps:
+        return f"stale: {what} is never incremented by its class"
+    if member.value and value not in member.value:
+        return f"stale: {what} is a {value}, not a {' or '.join(member.value)}"
+    return ""
 
 
-class SourceUnreadable(DoctorError):
-    """A directory or file exists but cannot be read."""
+def _find(sources: Sources, member: Member) -> _MemberCheck:
+    notes, absent = [], []
+    for relative in member.files:
+        classes = sources.classes(relative)
+        if classes is None:
+            absent.append(relative)
+            notes.append(f"{relative}: no such file")
+            continue
+        if isinstance(classes, str):
+            notes.append(f"{relative}: {classes}")
+            continue
+        info = classes.get(member.cls)
+        if info is None:
+            notes.append(f"{relative}: no class {member.cls}")
+        elif member.name not in info.kinds:
+            notes.append(f"{relative}: {member.cls} has no {member.name}")
+        else:
+            value = info.values.get(member.name)
+            problem = _judge(member, info.kinds[member.name], member.name in info.reads,
+                             member.name in info.bumps, value)
+            return _MemberCheck(member, relative, True, problem, problem, (), value)
+    all_absent = tuple(absent) if len(absent) == len(member.files) else ()
+    return _MemberCheck(member, None, False, "", "; ".join(notes), all_absent)
 
 
-@dataclasses.dataclass
-class _ClassInfo:
-    members: set[str] = dataclasses.field(default_factory=set)
-    values: dict[str, str] = dataclasses.field(default_factory=dict)
-    """attribute → kind of the first value assigned to it (``list``, ``dict``, ...)."""
+@dataclasses.dataclass(frozen=True)
+class _LayoutCheck:
+    layout: Layout
+    exists: bool
+    problem: str
+    members: tuple[_MemberCheck, ...]
+    label: str
+
+    @property
+    def holds(self) -> bool:
+        return self.exists and not self.problem
+
+    @property
+    def absent_files(self) -> tuple[str, ...]:
+        return tuple(f for m in self.members for f in m.absent_files)
 
 
-def _value_kind(node: ast.expr | None) -> str:
-    if isinstance(node, (ast.List, ast.ListComp)):
-        return "list"
-    if isinstance(node, (ast.Dict, ast.DictComp)):
-        return "dict"
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-        return node.func.id
-    return "other"
-
-
-def _targets(node: ast.AST) -> list[tuple[ast.expr, ast.expr | None]]:
-    if isinstance(node, ast.Assign):
-        flat: list[ast.expr] = []
-        for target in node.targets:
-            flat.extend(target.elts if isinstance(target, ast.Tuple) else [target])
-        return [(t, node.value) for t in flat]
-    if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-        return [(node.target, node.value)]
-    return []
-
-
-def _classes(tree: ast.Module) -> dict[str, _ClassInfo]:
-    """Every class in the module (nested ones too) and the names it defines."""
-    found: dict[str, _ClassInfo] = {}
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-        info = found.setdefault(cls.name, _ClassInfo())
-        for item in cls.body:
-            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                info.members.add(item.name)
-            for target, value in _targets(item):
-                if isinstance(target, ast.Name):
-                    info.members.add(target.id)
-                    info.values.setdefault(target.id, _value_kind(value))
-        for node in ast.walk(cls):
-            for target, value in _targets(node):
-                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                        and target.value.id == "self"):
-                    info.members.add(target.attr)
-                    info.values.setdefault(target.attr, _value_kind(value))
-    return found
-
-
-class _Sources:
-    """Parses each file of the package once."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self._parsed: dict[str, dict[str, _ClassInfo] | str] = {}
-
-    def classes(self, relative: str) -> dict[str, _ClassInfo] | str:
-        """The file's classes, or why it could not be parsed."""
-        if relative not in self._parsed:
-            path = self.root / relative
-            try:
-                text = path.read_text(encoding="utf-8")
-            except FileNotFoundError:
-                self._parsed[relative] = "no such file"
-            except (OSError, UnicodeDecodeError) as exc:
-                raise SourceUnreadable(f"cannot read {path}: {exc}") from exc
-            else:
-                try:
-                    self._parsed[relative] = _classes(ast.parse(text, str(path)))
-                except SyntaxError as exc:
-                    self._parsed[relative] = f"does not parse ({exc.msg}, line {exc.lineno})"
-                except ValueError as exc:  # NUL bytes: Python 3.11 raises ValueError
-                    self._parsed[relative] = f"does not parse ({exc})"
-        return self._parsed[relative]
-
-    def find(self, member: Member) -> tuple[str | None, str | None, str]:
-        """(file that defines it or None, value kind or None, note)."""
-        notes = []
-        for relative in member.files:
-            classes = self.classes(relative)
-            if isinstance(classes, str):
-                notes.append(f"{relative}: {classes}")
-                continue
-            info = classes.get(member.cls)
-            if info is None:
-                notes.append(f"{relative}: no class {member.cls}")
-            elif member.name in info.members:
-                return relative, info.values.get(member.name), ""
-            else:
-                notes.append(f"{relative}: {member.cls} has no {member.name}")
-        return None, None, "; ".join(notes)
+def _check_layout(sources: Sources, layout: Layout) -> _LayoutCheck:
+    members = tuple(_find(sources, m) for m in layout.members)
+    present = [m.describe() for m in layout.absent if _find(sources, m).defined]
+    exists = all(m.defined for m in members) and not present
+    problem = next((m.problem for m in members if m.problem), "")
+    label = layout.label
+    for check_ in members:
+        if layout.label == CTX_IN_TRANSMISSION and check_.value in ("list", "dict"):
+            label = f"{layout.label} ({check_.value})"
+    if present:
+        problem = f"defines {', '.join(present)}"
+    return _LayoutCheck(layout, exists, problem if exists else "", members, label)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,32 +184,38 @@ class RequirementResult:
                 "note": self.note}
 
 
-def _check_layout(sources: _Sources, layout: Layout
-                  ) -> tuple[bool, tuple[tuple[str, str | None], ...], str, str]:
-    """(holds, members, notes, label with the value kind where it tells layouts apart)."""
-    members, notes, label = [], [], layout.label
-    for member in layout.members:
-        file, kind, note = sources.find(member)
-        members.append((member.describe(), file))
-        if note:
-            notes.append(note)
-        if layout.label == CTX_IN_TRANSMISSION and kind in ("list", "dict"):
-            label = f"{layout.label} ({kind})"
-    return all(f is not None for _, f in members), tuple(members), "; ".join(notes), label
+def _pairs(check_: _LayoutCheck) -> tuple[tuple[str, str | None], ...]:
+    return tuple((m.member.describe(), m.file) for m in check_.members)
 
 
-def _check_requirement(sources: _Sources, requirement: Requirement) -> RequirementResult:
-    first: tuple[tuple[tuple[str, str | None], ...], str] | None = None
-    for index, layout in enumerate(requirement.layouts):
-        holds, members, note, label = _check_layout(sources, layout)
-        if holds:
+def _unusable(requirement: Requirement, check_: _LayoutCheck) -> RequirementResult:
+    status: Status = "wrong-kind" if check_.problem.startswith("wrong-kind") else "stale"
+    return RequirementResult(requirement, status, check_.label, _pairs(check_),
+                             f"layout {check_.layout.label!r}: {check_.problem}")
+
+
+def _check_requirement(sources: Sources, requirement: Requirement,
+                       manifest: Collection[str] | None) -> RequirementResult:
+    checks = [_check_layout(sources, layout) for layout in requirement.layouts]
+    existing = [c for c in checks if c.exists]
+    for index, check_ in enumerate(checks):
+        if check_.holds and (requirement.resolve == "any" or check_ is existing[0]):
             return RequirementResult(requirement, "found" if index == 0 else "alternative",
-                                     label, members)
-        first = first or (members, note)
-    assert first is not None
+                                     check_.label, _pairs(check_))
+    if existing:
+        return _unusable(requirement, existing[0])
     tried = ", ".join(layout.label for layout in requirement.layouts)
-    return RequirementResult(requirement, "missing", None, first[0],
-                             f"no known layout ({tried}): {first[1]}")
+    notes = "; ".join(m.note for m in checks[0].members if m.note)
+    lost = sorted({f for c in checks for f in c.absent_files})
+    broken = [f for f in lost if manifest is not None and f in manifest]
+    if broken or (manifest is None and checks and all(c.absent_files for c in checks)):
+        files = ", ".join(broken or lost)
+        why = ("listed in the distribution's file list but not on disk" if broken else
+               "not on disk for any known layout (or TensorRT-LLM moved it)")
+        return RequirementResult(requirement, "incomplete", None, _pairs(checks[0]),
+                                 f"incomplete install: {files} {why}")
+    return RequirementResult(requirement, "missing", None, _pairs(checks[0]),
+                             f"no known layout ({tried}): {notes}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,13 +225,27 @@ class DriftReport:
     results: tuple[RequirementResult, ...]
 
     @property
+    def status(self) -> Literal["ok", "drift", "incomplete"]:
+        """``incomplete`` (a required file is not on disk), ``drift``, or ``ok``."""
+        required = [r for r in self.results if r.requirement.required]
+        if any(r.status == "incomplete" for r in required):
+            return "incomplete"
+        return "ok" if all(r.status in USABLE for r in required) else "drift"
+
+    @property
     def ok(self) -> bool:
-        """Every required name is defined, in a known layout."""
-        return all(r.status != "missing" for r in self.results if r.requirement.required)
+        """Every required name is defined, as the probe uses it, in a known layout."""
+        return self.status == "ok"
+
+    @property
+    def exit_code(self) -> int:
+        """:data:`EXIT_OK`, :data:`EXIT_DRIFT` or :data:`EXIT_INCOMPLETE`."""
+        return {"ok": EXIT_OK, "drift": EXIT_DRIFT}.get(self.status, EXIT_INCOMPLETE)
 
     @property
     def missing(self) -> tuple[RequirementResult, ...]:
-        return tuple(r for r in self.results if r.status == "missing")
+        """Every requirement that is not usable (whatever the reason)."""
+        return tuple(r for r in self.results if r.status not in USABLE)
 
     def summary(self) -> str:
         """One line for logs."""
@@ -213,16 +253,22 @@ class DriftReport:
         layouts = ", ".join(r.layout for r in self.results
                             if r.layout and r.requirement.key in ("waiting_queue",
                                                                   "ctx_in_transfer"))
+        required = [r for r in self.missing if r.requirement.required]
+        if self.status == "incomplete":
+            files = "; ".join(r.note for r in required if r.status == "incomplete")
+            return (f"{where}: INCOMPLETE INSTALL, not drift ({files}); reinstall "
+                    "TensorRT-LLM, the in-process probe cannot read it as it is")
         if self.ok:
-            extra = [r.requirement.key for r in self.missing]
+            extra = [f"{r.requirement.key} ({r.status})" for r in self.missing]
             return (f"{where}: the adapter's names are all there (layout: {layouts})"
                     + (f"; optional missing: {', '.join(extra)}" if extra else ""))
-        lost = ", ".join(r.requirement.key for r in self.missing if r.requirement.required)
-        return (f"{where}: DRIFT, missing {lost}; the in-process probe will report UNKNOWN "
-                "(fail closed) and drains will end at their budget")
+        lost = ", ".join(f"{r.requirement.key} ({r.status})" for r in required)
+        return (f"{where}: DRIFT, {lost}; the in-process probe will report UNKNOWN "
+                "(fail closed) or read a stale object, and drains will end at their budget")
 
     def to_dict(self) -> dict[str, Any]:
         return {"root": str(self.root), "version": self.version, "ok": self.ok,
+                "status": self.status, "exit_code": self.exit_code,
                 "summary": self.summary(), "requirements": [r.to_dict() for r in self.results]}
 
     def format(self) -> str:
@@ -230,20 +276,23 @@ class DriftReport:
         lines = [f"TensorRT-LLM {self.version or '(version unknown)'} at {self.root}"]
         for r in self.results:
             optional = "" if r.requirement.required else " (optional)"
-            what = r.layout or r.note
+            what = r.layout if r.status in USABLE else r.note
             lines.append(f"  {r.status:<12} {r.requirement.key:<20} {what}{optional}")
-        lines.append(("ok: " if self.ok else "drift: ") + self.summary())
+        verdict = {"ok": "ok: ", "drift": "drift: ", "incomplete": "incomplete install: "}
+        lines.append(verdict[self.status] + self.summary())
         return "\n".join(lines)
 
 
-def check(root: Path, version: str | None = None) -> DriftReport:
-    """Check the package directory ``root`` (see :func:`package_dir`). Raises
-    :class:`SourceNotFound` when it is no directory, :class:`SourceUnreadable` when a
-    file in it cannot be read."""
+def check(root: Path, version: str | None = None,
+          manifest: Collection[str] | None = None) -> DriftReport:
+    """Check the package directory ``root`` (see :func:`package_dir`). ``manifest``: the
+    files the distribution installed, relative to ``root`` (tells an incomplete install
+    from drift; None for a checkout). Raises :class:`SourceNotFound` when ``root`` is no
+    directory, :class:`SourceUnreadable` when a file in it cannot be read."""
     if not root.is_dir():
         raise SourceNotFound(f"{root} is not a directory")
-    sources = _Sources(root)
-    results = tuple(_check_requirement(sources, r) for r in REQUIREMENTS)
+    sources = Sources(root)
+    results = tuple(_check_requirement(sources, r, manifest) for r in REQUIREMENTS)
     return DriftReport(root, version if version is not None else source_version(root), results)
 
 
@@ -254,7 +303,7 @@ def source_version(root: Path) -> str | None:
     except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return None
     for node in tree.body:
-        for target, value in _targets(node):
+        for target, value, _ in targets(node):
             if (isinstance(target, ast.Name) and target.id == "__version__"
                     and isinstance(value, ast.Constant) and isinstance(value.value, str)):
                 return value.value
@@ -277,6 +326,19 @@ def package_dir(source: Path) -> Path:
         raise SourceUnreadable(f"cannot read {source}: {exc}") from exc
     raise SourceNotFound(f"no TensorRT-LLM package in {source} (looked for {PACKAGE}/_torch "
                          f"and _torch)")
+
+
+def installed_manifest() -> frozenset[str] | None:
+    """The files the installed distribution lists (its ``RECORD``), relative to the
+    package directory; None where there is no list."""
+    try:
+        files = importlib.metadata.files(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    if files is None:
+        return None
+    return frozenset("/".join(f.parts[1:]) for f in files
+                     if len(f.parts) > 1 and f.parts[0] == PACKAGE)
 
 
 def locate_installed() -> tuple[Path, str | None]:
@@ -302,7 +364,7 @@ def locate_installed() -> tuple[Path, str | None]:
 def check_installed() -> DriftReport:
     """:func:`check` on the installed package. Raises :class:`DoctorError`."""
     root, version = locate_installed()
-    return check(root, version)
+    return check(root, version, installed_manifest())
 
 
 def startup_check() -> DriftReport | None:
@@ -314,6 +376,6 @@ def startup_check() -> DriftReport | None:
     except Exception as exc:
         log.warning("trtllm drift check did not run: %s", exc)
         return None
-    log.log(logging.INFO if report.ok else logging.WARNING, "trtllm drift check: %s",
-            report.summary())
+    log.log(logging.INFO if report.ok else logging.WARNING, "trtllm drift check (%s): %s",
+            report.status, report.summary())
     return report

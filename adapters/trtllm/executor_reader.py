@@ -10,7 +10,8 @@ What is read, and why only this way (the executor loop thread mutates all of it 
 we read, and the probe must never change engine state):
 
 Read in flow order (request queue → waiting queue → active → in transfer), and a zero
-is accepted only when confirmed across an executor iteration (:class:`ZeroConfirmation`).
+is accepted only when confirmed across an executor iteration
+(:class:`~.zero_confirmation.ZeroConfirmation`).
 
 - ``active_requests`` (a list): copied with one ``list()`` call, which is atomic under
   the GIL for a list, then counted. Attention-DP dummies (``is_attention_dp_dummy is
@@ -21,6 +22,14 @@ is accepted only when confirmed across an executor iteration (:class:`ZeroConfir
 - the waiting queue: ``len(PyExecutor.waiting_queue)``, or on older builds
   ``ExecutorRequestQueue.get_waiting_queue_size()`` (itself a ``len()``).
 - the request queue: ``ExecutorRequestQueue.get_request_queue_size()`` (``qsize()``).
+- requests parked behind a control sentinel: ``_handle_special_queue_items`` moves
+  what was fetched after a control request into ``request_accumulated`` and the loop
+  fetches them again only in a later pass, after the control action
+  (``control_action_done``); ``len(request_accumulated)`` is counted
+  (``parked_behind_control``), and so is ``len(control_requests)`` (a control action in
+  flight is not quiescent). Both lists are read on ``PyExecutor`` (2026) and on
+  ``ExecutorRequestQueue`` (mid-era) and added up. A build with no way to enqueue a
+  control sentinel reads (0, 0); one with a way but no readable lists is UNKNOWN.
 - context requests whose KV is in transfer (``kv_sends_held``), which TensorRT-LLM drops
   from ``active_requests`` once their prefill finished:
   ``len(async_transfer_manager.requests_in_transfer())`` (the manager hands out its live
@@ -30,6 +39,14 @@ is accepted only when confirmed across an executor iteration (:class:`ZeroConfir
   The KV cache transceiver's status checks (``check_context_transfer_status`` and
   relatives) are never called: they reap finished transfers (a side effect the
   executor loop relies on seeing itself) and can block up to the sender-future timeout.
+  On the older layout a KV connector's saves are in neither place
+  (``_do_terminate_request`` keeps the KV when ``request_finished()`` says so, after
+  the request left ``active_requests``): with ``kv_connector_manager`` set the reading
+  carries an error (UNKNOWN, :data:`KV_CONNECTOR_OLD_LAYOUT`). The transfer-manager
+  layout counts connector saves (``start_transfer``).
+- ``is_shutdown``, and whether a shutdown was requested (the request queue's
+  ``active`` is False only after ``enqueue_shutdown_request``; a fatal error sets
+  ``is_shutdown`` and leaves it True), so that the reason says which.
 
 Each read is a handful of attribute lookups and ``len()`` calls (a few microseconds); it
 takes no lock, so it never stalls the executor loop.
@@ -38,17 +55,16 @@ Any missing attribute or exception is recorded in ``errors`` with the names trie
 probe then reports UNKNOWN (fail closed). ``layout`` names which known layout each
 value came from (see :mod:`.layouts`).
 
-The idle-loop gap of 1.2-era builds: when the loop has no active and no waiting
-requests it blocks on the request queue and stops polling transfers, so a transfer that
-finished stays in the tracker until the next request (or cancel, or shutdown) arrives.
-The count errs high (busy), never low; the drain's own budget bounds the wait. The
-answer flags it (``idle_transfer_gap``) so that status can say why a drain waits.
+The idle-loop gap (1.2-era builds and main at 0004396 alike): when the loop has no
+active and no waiting requests it blocks on the request queue (no timeout under MPI)
+and stops polling transfers, so a transfer that finished stays in the tracker until the
+next request (or cancel, or shutdown) arrives. The count errs high (busy), never low.
+The answer flags it (``idle_transfer_gap``) so that status can say why a drain waits
+(docs/trtllm.md: a prefill drain on these builds ends at its budget).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -64,12 +80,32 @@ from .layouts import (
     WAITING_ON_REQUEST_QUEUE,
 )
 
-READING_VERSION: Final = 2
-COUNTS: Final = ("running", "gen_awaiting_kv", "waiting", "queued", "ctx_in_transfer")
+READING_VERSION: Final = 3
+COUNTS: Final = ("running", "gen_awaiting_kv", "waiting", "queued", "ctx_in_transfer",
+                 "parked_behind_control", "control_requests")
 IDLE_GAP_NOTE: Final = (
-    "context transfers counted while the executor loop is idle: on TensorRT-LLM 1.2-era "
-    "builds a finished transfer is reaped only when the next request arrives; the drain "
-    "budget bounds this wait")
+    "context transfers counted while the executor loop is idle: TensorRT-LLM's idle wait "
+    "ignores transfers (1.2-era builds and main at 0004396 alike), so a finished transfer "
+    "is reaped only when the next request, cancel or shutdown wakes the loop; the drain "
+    "budget bounds this wait (docs/trtllm.md)")
+KV_CONNECTOR_OLD_LAYOUT: Final = (
+    "a KV connector is configured (kv_connector_manager) on the older layout "
+    "(ctx_in_transmission_requests): a request whose connector save is in flight has left "
+    "active_requests and is not in ctx_in_transmission_requests, so no count shows it; "
+    "this layout cannot tell when the connector released the KV")
+_Ways = tuple[tuple[str, Callable[[Any], Any]], ...]
+CONTROL_HOLDERS: Final[_Ways] = (("PyExecutor", lambda e: e),
+                                 ("ExecutorRequestQueue", lambda e: e.executor_request_queue))
+"""Where the control sentinel's lists live: on ``PyExecutor`` (2026) or on
+``ExecutorRequestQueue`` (mid-era). Both are read and added up: a stale copy of the same
+name on the other object can only add to the count (busy), never hide the live one."""
+CONTROL_ENTRY_POINTS: Final[_Ways] = (
+    ("PyExecutor.control_action", lambda e: e.control_action),
+    ("ExecutorRequestQueue.enqueue_control_request",
+     lambda e: e.executor_request_queue.enqueue_control_request),
+    ("PyExecutor.enqueue_control_request", lambda e: e.enqueue_control_request))
+"""Ways a control sentinel can be enqueued. A build with none of them cannot park
+requests behind one; a build with one must have readable lists (else UNKNOWN)."""
 
 
 def state_name(state: object) -> str | None:
@@ -124,7 +160,7 @@ _CTX: Final = (
 
 
 _ITERATION: Final[tuple[Callable[[Any], Any], ...]] = (
-    lambda e: e.iter_counter,  # PyExecutor (2026: incremented at the top of each loop pass)
+    lambda e: e.iter_counter,  # PyExecutor (2026: incremented at the end of each loop pass)
     lambda e: e.model_engine.iter_counter,  # older builds count on the model engine
 )
 
@@ -152,6 +188,71 @@ def _parked(executor: Any) -> bool:
         return False
 
 
+def _control(executor: Any, errors: list[str], layout: dict[str, str]
+             ) -> tuple[int | None, int | None]:
+    """(requests parked behind a control sentinel, control sentinels pending): the lengths
+    of ``request_accumulated`` and ``control_requests`` on every object that holds them.
+    (0, 0) where the build has no way to enqueue a control sentinel; None where it has
+    one but the lists cannot be read (drift: fail closed)."""
+    parked = pending = 0
+    holders = []
+    for label, holder in CONTROL_HOLDERS:
+        try:
+            target = holder(executor)
+            lists = (target.request_accumulated, target.control_requests)
+        except AttributeError:
+            continue
+        try:
+            parked, pending = parked + len(lists[0]), pending + len(lists[1])
+        except Exception as exc:
+            errors.append(f"control requests: {label} lists unreadable: "
+                          f"{type(exc).__name__}: {exc}")
+            return None, None
+        holders.append(label)
+    if holders:
+        layout["control_requests"] = f"control lists on {' + '.join(holders)}"
+        return parked, pending
+    entry = []
+    for label, read in CONTROL_ENTRY_POINTS:
+        try:
+            read(executor)
+        except Exception:
+            continue
+        entry.append(label)
+    if entry:
+        errors.append(f"control requests: {entry[0]} exists but neither PyExecutor nor "
+                      "ExecutorRequestQueue has control_requests/request_accumulated, so "
+                      "requests parked behind a control action cannot be counted")
+        return None, None
+    layout["control_requests"] = "no control requests in this build"
+    return 0, 0
+
+
+def _connector_problem(executor: Any, layout: dict[str, str]) -> str | None:
+    """Why a KV connector blinds the older layout, or None (see KV_CONNECTOR_OLD_LAYOUT).
+    The transfer-manager layout counts connector saves (``start_transfer``)."""
+    if layout.get("ctx_in_transfer") != CTX_IN_TRANSMISSION:
+        return None
+    try:
+        connector = executor.kv_connector_manager
+    except AttributeError:
+        return ("kv_connector: PyExecutor.kv_connector_manager is missing on the older "
+                "layout, so whether a KV connector holds KV cannot be told")
+    return KV_CONNECTOR_OLD_LAYOUT if connector is not None else None
+
+
+def _shutdown(executor: Any) -> tuple[bool | None, bool | None]:
+    """(``is_shutdown`` of the executor or its request queue, whether a shutdown was
+    requested: ``enqueue_shutdown_request`` sets the queue's ``active`` to False, a fatal
+    error does not). None where unreadable."""
+    flags = [getattr(executor, "is_shutdown", None),
+             getattr(getattr(executor, "executor_request_queue", None), "is_shutdown", None)]
+    known = [f for f in flags if isinstance(f, bool)]
+    shutdown = any(known) if known else None
+    active = getattr(getattr(executor, "executor_request_queue", None), "active", None)
+    return shutdown, (not active) if isinstance(active, bool) else None
+
+
 def read_py_executor(executor: Any) -> dict[str, Any]:
     """Pending work of one ``PyExecutor`` as plain data. Never raises.
 
@@ -159,11 +260,13 @@ def read_py_executor(executor: Any) -> dict[str, Any]:
     in transfer), so that a request moving forward between two reads is seen in the later
     place; a request the executor holds between two places (taken from one, not yet put
     in the next) or a list it rebuilds (``clear()`` then ``extend()``) can still give a
-    transient zero, which is why a zero must be confirmed (:class:`ZeroConfirmation`).
+    transient zero, which is why a zero must be confirmed
+    (:class:`~.zero_confirmation.ZeroConfirmation`).
 
     Keys: ``version``; the counts in :data:`COUNTS` (an int, or None when unreadable);
     ``attention_dp_dummies``; ``layout`` (what -> layout label); ``errors`` (list of str);
-    ``is_shutdown`` (bool or None); ``idle_transfer_gap`` (bool); ``iter_before`` and
+    ``is_shutdown`` (bool or None); ``shutdown_requested`` (bool or None: False means a
+    fatal error stopped it); ``idle_transfer_gap`` (bool); ``iter_before`` and
     ``iter_after`` (the iteration counter around the reading, or None); ``parked`` (the
     loop was blocked on an empty request queue after the reading, with the counter
     unchanged since before it).
@@ -173,6 +276,7 @@ def read_py_executor(executor: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"version": READING_VERSION, "layout": layout, "errors": errors}
     out["iter_before"] = _iteration(executor)
     out["queued"] = _first(executor, _QUEUED, "queued", errors, layout)
+    out["parked_behind_control"], out["control_requests"] = _control(executor, errors, layout)
     out["waiting"] = _first(executor, _WAITING, "waiting", errors, layout)
     try:
         active = list(executor.active_requests)
@@ -189,14 +293,15 @@ def read_py_executor(executor: Any) -> dict[str, Any]:
         out.update(running=len(active) - dummies - awaiting, gen_awaiting_kv=awaiting,
                    attention_dp_dummies=dummies)
     out["ctx_in_transfer"] = _first(executor, _CTX, "ctx_in_transfer", errors, layout)
+    connector = _connector_problem(executor, layout)
+    if connector is not None:
+        errors.append(connector)
     parked = _parked(executor)
     out["iter_after"] = _iteration(executor)
     out["parked"] = bool(parked and out["iter_before"] is not None
                          and out["iter_before"] == out["iter_after"])
-    shutdown = getattr(executor, "is_shutdown", None)
-    out["is_shutdown"] = shutdown if isinstance(shutdown, bool) else None
-    idle = (out["running"] == 0 and out["gen_awaiting_kv"] == 0 and out["waiting"] == 0
-            and out["queued"] == 0)
+    out["is_shutdown"], out["shutdown_requested"] = _shutdown(executor)
+    idle = all(out[name] == 0 for name in COUNTS if name != "ctx_in_transfer")
     out["idle_transfer_gap"] = bool(idle and (out["ctx_in_transfer"] or 0) > 0)
     return out
 
@@ -204,89 +309,6 @@ def read_py_executor(executor: Any) -> dict[str, Any]:
 def all_zero(reading: dict[str, Any]) -> bool:
     """Every count known and zero, and no error: a reading that claims idle."""
     return not reading.get("errors") and all(reading.get(name) == 0 for name in COUNTS)
-
-
-class ZeroConfirmation:
-    """Accepts an all-zero reading only when it is confirmed (fail closed otherwise).
-
-    One instance per executor, kept across reads (the probe's, or the Ray worker's).
-    An all-zero reading is **confirmed** when
-
-    - an earlier all-zero reading ended before an executor iteration began that had begun
-      before this reading (``previous.iter_after < current.iter_before``): the loop went
-      round between the two, so a request it held between two places at the first
-      reading was put down before the second; or
-    - the loop was **parked** after this reading (blocked in the request queue's
-      ``get()``, the counter unchanged since before the reading): it held nothing in
-      hand during the reading and had nothing to schedule. This is how an idle loop that
-      blocks on its request queue (1.2-era) is confirmed without its counter moving.
-
-    Without a readable counter, a second all-zero reading taken after a short wait
-    (:data:`CONFIRM_WAIT_S`, during which the executor thread takes the GIL) confirms it:
-    a weaker guarantee, since it assumes the loop puts down what it holds within that
-    wait (true of the Python steps between two places; not if the loop is stuck there).
-    """
-
-    def __init__(self) -> None:
-        self._last_zero_end: int | None = None
-
-    def check(self, reading: dict[str, Any], *, previous_without_counter: bool = False
-              ) -> str | None:
-        """None when ``reading`` is confirmed (or not all zero); else why it is not.
-        ``previous_without_counter``: an all-zero reading without a counter was taken just
-        before this one, after the wait (the weaker confirmation)."""
-        if not all_zero(reading):
-            self._last_zero_end = None
-            return None
-        before, after = reading.get("iter_before"), reading.get("iter_after")
-        if before is None or after is None:
-            if previous_without_counter:
-                return None
-            return ("an all-zero reading is not confirmed yet: no executor iteration "
-                    "counter is readable, a second reading must agree")
-        last, self._last_zero_end = self._last_zero_end, after
-        if reading.get("parked") is True:
-            return None
-        if last is not None and last < before:
-            return None
-        return ("an all-zero reading is not confirmed yet: the executor loop has not "
-                "gone round since the last all-zero reading (a request it holds between "
-                "two queues is in none of them)")
-
-
-CONFIRM_WAIT_S: Final = 0.002
-"""The awaited wait before a second reading where no iteration counter is readable."""
-
-
-def _second_reading(executor: Any, first: dict[str, Any], confirm: ZeroConfirmation
-                    ) -> dict[str, Any]:
-    second = read_py_executor(executor)
-    weak = first.get("iter_before") is None and second.get("iter_before") is None
-    second["unconfirmed"] = confirm.check(second, previous_without_counter=weak)
-    return second
-
-
-async def read_confirmed(executor: Any, confirm: ZeroConfirmation) -> dict[str, Any]:
-    """:func:`read_py_executor`, with ``unconfirmed`` set (None, or why a zero is not
-    confirmed). An unconfirmed zero is read once more after an awaited
-    :data:`CONFIRM_WAIT_S` (the event loop is never blocked); the cost is a few
-    microseconds, plus that wait only when the engine reads zero."""
-    first = read_py_executor(executor)
-    first["unconfirmed"] = confirm.check(first)
-    if first["unconfirmed"] is None:
-        return first
-    await asyncio.sleep(CONFIRM_WAIT_S)
-    return _second_reading(executor, first, confirm)
-
-
-def read_confirmed_blocking(executor: Any, confirm: ZeroConfirmation) -> dict[str, Any]:
-    """:func:`read_confirmed` for a thread that may block briefly (a Ray actor's)."""
-    first = read_py_executor(executor)
-    first["unconfirmed"] = confirm.check(first)
-    if first["unconfirmed"] is None:
-        return first
-    time.sleep(CONFIRM_WAIT_S)
-    return _second_reading(executor, first, confirm)
 
 
 def _malformed(reading: object) -> str | None:
@@ -322,9 +344,24 @@ def _details(valid: Sequence[dict[str, Any]], ranks: int, errors: list[str]
     dummies = sum(int(r.get("attention_dp_dummies") or 0) for r in valid)
     if dummies:
         details["attention_dp_dummies"] = dummies
-    if any(r.get("is_shutdown") is True for r in valid):
+    down = [r for r in valid if r.get("is_shutdown") is True]
+    if down:
         details["executor_shut_down"] = True
-        errors.append("the executor is shut down: its counts no longer change")
+        requested = {r.get("shutdown_requested") for r in down}
+        if requested == {True}:
+            why = ("a shutdown was requested (the request queue no longer admits): "
+                   "its counts no longer change")
+        elif requested == {False}:
+            why = ("it stopped on a fatal error, no shutdown was requested (the request "
+                   "queue still admits): its counts no longer change and its requests "
+                   "will not finish; see the engine's log")
+        else:
+            why = ("a requested shutdown or a fatal error (the request queue's admission "
+                   "flag cannot be read to tell which): its counts no longer change")
+        details["executor_shut_down_by"] = ("request" if requested == {True} else
+                                            "fatal error" if requested == {False} else
+                                            "unknown")
+        errors.append(f"the executor is shut down: {why}")
     if any(r.get("idle_transfer_gap") for r in valid):
         details["note"] = IDLE_GAP_NOTE
     return details
@@ -339,7 +376,8 @@ def to_pending_work(role: Role, source: str, readings: Sequence[object], *,
     is taken. Either way every rank must be idle for the snapshot to be. A malformed
     reading or any rank's error makes the snapshot UNKNOWN unless a rank shows work.
     An all-zero snapshot also needs one rank's zero confirmed (its ``unconfirmed`` is
-    None, see :class:`ZeroConfirmation`); otherwise it is UNKNOWN with the reason.
+    None, see :class:`~.zero_confirmation.ZeroConfirmation`); otherwise it is UNKNOWN
+    with the reason.
     """
     if not readings:
         return PendingWork.unknown(role, source, "no executor answered")
@@ -371,5 +409,7 @@ def to_pending_work(role: Role, source: str, readings: Sequence[object], *,
     return PendingWork(role=role, source=source, waiting=totals["waiting"],
                        running=totals["running"], kv_sends_held=totals["ctx_in_transfer"],
                        kv_recvs_awaited=totals["gen_awaiting_kv"],
-                       queues={"request_queue": totals["queued"]},
+                       queues={"request_queue": totals["queued"],
+                               "parked_behind_control": totals["parked_behind_control"],
+                               "control_requests": totals["control_requests"]},
                        errors=tuple(errors), details=details)

@@ -7,10 +7,11 @@ Which probe :func:`probe_for_llm` builds depends on where TensorRT-LLM put the
   TensorRT-LLM when ``TLLM_WORKER_USE_SINGLE_PROCESS=1`` (TP=1), as Dynamo and
   ``quiesce serve --engine trtllm`` run it. :class:`InProcessProbe` reads
   ``llm._executor.engine`` directly, on the event loop, in microseconds
-  (:mod:`.executor_reader`), in flow order. Authoritative: request queue + waiting +
-  active + context requests in transfer; a zero counts only once confirmed across an
-  executor iteration (:class:`~.executor_reader.ZeroConfirmation`). Missing
-  attributes → UNKNOWN.
+  (:mod:`.executor_reader`), in flow order. Authoritative: request queue + requests
+  parked behind a control sentinel + control actions in flight + waiting + active +
+  context requests in transfer; a zero counts only once confirmed across an executor
+  iteration (:class:`~.zero_confirmation.ZeroConfirmation`). Missing attributes, or a
+  KV connector on the older (``ctx_in_transmission_requests``) layout → UNKNOWN.
 - ``RayExecutor`` — the **Ray** orchestrator. :class:`RayProbe` runs the same reading in
   every Ray worker through :mod:`.ray_extension` (``llm._collective_rpc``, a prototype
   API of TensorRT-LLM, run on a daemon thread of its own, at most one at a time) and
@@ -39,7 +40,7 @@ UNKNOWN):
   reads ``llm._executor.engine`` there (the executor loop is a thread of the same
   process). Cost: a few microseconds, no lock, no round trip; when it reads zero and the
   zero is not confirmed yet, one awaited wait of
-  :data:`~.executor_reader.CONFIRM_WAIT_S` (2 ms) and a second reading; still
+  :data:`~.zero_confirmation.CONFIRM_WAIT_S` (2 ms) and a second reading; still
   unconfirmed → UNKNOWN until a later read confirms it. Missing: ``_executor``,
   ``engine`` (None after shutdown) or any counted attribute → UNKNOWN naming it.
 - ``RayProbe.pending_work()`` — runs in the worker's process; the blocking
@@ -73,8 +74,9 @@ from typing import Any, Final
 from quiesce.errors import ConfigError, EngineNotInstalled
 from quiesce.probe import UNKNOWN, Count, PendingWork, Probe, Role
 
-from .executor_reader import ZeroConfirmation, read_confirmed, to_pending_work
+from .executor_reader import to_pending_work
 from .ray_extension import EXTENSION, METHOD
+from .zero_confirmation import ZeroConfirmation, read_confirmed
 
 DISTRIBUTION: Final = "tensorrt_llm"
 IN_PROCESS_SOURCE: Final = "trtllm.py_executor"

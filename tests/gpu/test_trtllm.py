@@ -11,14 +11,18 @@ machine this project had could install TensorRT-LLM (see the README's evidence l
   request as completed (TensorRT-LLM ends it ``not_finished``) with the parameters for
   the decoder, and is drained only after the
   generation (decode) worker pulled its KV: while the handle is unused the drain waits
-  and says why (``kv_sends_held``); on builds with the 1.2-era idle-loop gap the drain
+  and says why (``kv_sends_held``); where the idle loop does not reap the transfer the drain
   instead ends at its budget, which the test reports as an expected failure with the
   reason;
 - an idle engine reads quiescent with its zero confirmed across the executor loop
   (``details.zero_confirmed``);
 - SIGTERM under streaming load, to the main process and to the whole process group,
   loses nothing: every stream is read to its end (a 200 with an error event inside is a
-  lost request), and the worker exits drained with nothing aborted.
+  lost request), and the worker exits drained with nothing aborted;
+- issue 19 (the engine behind tests/unit/test_trtllm_findings.py's fakes): a request
+  parked behind a control sentinel is never read as quiescent; a KV connector on the
+  older layout is UNKNOWN; ``abort_all`` under Ray ends a running request whether or not
+  the build's ``RayExecutor`` fills ``_results``.
 
 Model: ``$QUIESCE_TRTLLM_MODEL`` (a local Hugging Face checkpoint; the container has no
 network), else the tiny random-weight Llama of the CPU tests (conftest ``tiny_model``).
@@ -219,10 +223,95 @@ async def test_context_worker_drains_only_after_the_generation_worker_pulled_the
         status = await asyncio.to_thread(leaves_draining, prefill, BUDGET_S)
         pending = status.get("pending_work") or {"details": {}}
         if status["state"] != "drained" and detail(pending, "note") == IDLE_GAP_NOTE:
-            pytest.xfail("the 1.2-era idle loop did not reap the finished transfer: the "
+            pytest.xfail("the idle executor loop did not reap the finished transfer: the "
                          "drain ends at its budget on this TensorRT-LLM build")
         assert status["state"] == "drained", status
         for worker in (prefill, decode):
             worker.signal()
             code, report = await asyncio.to_thread(worker.finish, BUDGET_S + 60)
             assert code == 0 and report is not None and report["aborted_requests"] == 0, report
+
+
+# -- issue 19: the real executor behind the fakes of tests/unit/test_trtllm_findings.py --
+
+def _llm(model: Path, **kwargs: Any) -> Any:
+    """A ``tensorrt_llm.LLM`` in this process (single-process worker unless Ray)."""
+    os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1")
+    from tensorrt_llm import LLM
+
+    return LLM(model=str(model), max_seq_len=MAX_MODEL_LEN,
+               kv_cache_config={"free_gpu_memory_fraction": float(MEMORY_SHARE)}, **kwargs)
+
+
+async def test_a_request_parked_behind_a_control_action_is_work(model: Path) -> None:
+    """A control sentinel with a request behind it (the mid-era
+    ``enqueue_control_request``): while the control action blocks the loop, and after,
+    until the request is fetched again, the probe is never quiescent."""
+    from tensorrt_llm import SamplingParams
+
+    from quiesce.adapters.trtllm.probe import probe_for_llm
+    from quiesce.probe import observe
+
+    llm = _llm(model)
+    try:
+        engine = llm._executor.engine
+        enqueue = getattr(engine.executor_request_queue, "enqueue_control_request", None)
+        done = getattr(engine, "control_action_done", None)
+        if enqueue is None or done is None:
+            pytest.skip("this build has no mid-era enqueue_control_request/"
+                        "control_action_done pair")
+        enqueue()
+        result = llm.generate_async(PROMPT, sampling_params=SamplingParams(max_tokens=4))
+        probe = probe_for_llm(llm)
+        for _ in range(20):
+            work = await observe(probe)
+            assert work.verdict.value != "quiescent", work.summary()
+            await asyncio.sleep(0.05)
+        done.set()  # the control action is over: the parked request runs
+        output = await asyncio.wait_for(result.aresult(), timeout=120)
+        assert output.outputs[0].token_ids, output
+    finally:
+        llm.shutdown()
+
+
+async def test_a_kv_connector_on_the_older_layout_is_unknown(model: Path) -> None:
+    """Built with ``$QUIESCE_TRTLLM_KV_CONNECTOR`` (a JSON ``kv_connector_config``): on the
+    older layout the probe is UNKNOWN saying why; on the transfer-manager layout its saves
+    are counted and an idle engine reads quiescent."""
+    from quiesce.adapters.trtllm.probe import probe_for_llm
+    from quiesce.probe import observe
+
+    config = os.environ.get("QUIESCE_TRTLLM_KV_CONNECTOR")
+    if not config:
+        pytest.skip("set QUIESCE_TRTLLM_KV_CONNECTOR to a kv_connector_config (JSON)")
+    llm = _llm(model, kv_connector_config=json.loads(config))
+    try:
+        work = await observe(probe_for_llm(llm))
+        if hasattr(llm._executor.engine, "ctx_in_transmission_requests"):
+            assert work.verdict.value == "unknown", work.summary()
+            assert any("KV connector" in r for r in work.reasons), work.reasons
+        else:
+            assert work.details.get("layout.ctx_in_transfer") == "AsyncTransferManager"
+    finally:
+        llm.shutdown()
+
+
+async def test_abort_all_on_the_old_ray_executor_cancels_in_the_workers(model: Path) -> None:
+    """Ray with the worker extension: ``abort_all`` ends a running request whether or not
+    this build's ``RayExecutor.submit`` fills ``_results``."""
+    from tensorrt_llm import SamplingParams
+
+    from quiesce.adapters.trtllm.control import TrtllmEngineControl
+    from quiesce.adapters.trtllm.ray_extension import EXTENSION
+
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed in this image")
+    llm = _llm(model, orchestrator_type="ray", ray_worker_extension_cls=EXTENSION)
+    try:
+        result = llm.generate_async(PROMPT, sampling_params=SamplingParams(max_tokens=200))
+        aborted = await TrtllmEngineControl(llm).abort_all("test")
+        assert aborted >= 1
+        output = await asyncio.wait_for(result.aresult(), timeout=120)
+        assert output.outputs[0].finish_reason in ("cancelled", "length"), output
+    finally:
+        llm.shutdown()

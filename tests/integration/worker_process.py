@@ -158,15 +158,18 @@ class StreamResult:
 async def stream_completion(url: str, max_tokens: int, *, started: asyncio.Event | None = None,
                             kv: dict[str, object] | None = None, prompt: str = "hello world",
                             ignore_eos: bool = False, include_usage: bool = False,
-                            timeout_s: float = 60.0) -> StreamResult:
+                            timeout_s: float = 60.0, model: str | None = None) -> StreamResult:
     """POST a streaming completion to ``url``'s ``/v1/completions`` and read it to its end.
 
     ``started`` is set at the first chunk with choices; ``kv`` is sent as
-    ``kv_transfer_params``; ``include_usage`` asks for the usage chunk (``tokens`` then
+    ``kv_transfer_params``; ``model`` names the model (a router that serves several needs
+    it); ``include_usage`` asks for the usage chunk (``tokens`` then
     counts tokens, not chunks); ``timeout_s`` bounds each network operation. Never raises
     for what the worker answers or a connection that breaks: both land in the result.
     """
     body: dict[str, object] = {"prompt": prompt, "max_tokens": max_tokens, "stream": True}
+    if model is not None:  # Dynamo's frontend routes by it
+        body["model"] = model
     if ignore_eos:
         body["ignore_eos"] = True
     if include_usage:

@@ -5,6 +5,8 @@ is in tests/integration/test_dynamo_discovery.py."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,8 +15,10 @@ import pytest
 from quiesce.adapters.dynamo import (
     DiscoveryUnavailable,
     DynamoDiscovery,
+    finish_outcome,
     gated,
     graceful_shutdown_with_drain,
+    install_signal_handlers,
 )
 from quiesce.admission import AdmissionGate, Outcome
 from quiesce.budget import Deadline
@@ -86,7 +90,8 @@ async def test_out_of_budget_leaves_the_state_unknown_with_the_error() -> None:
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    ({"endpoints": []}, "endpoints"), ({"endpoints": object()}, "endpoints"),
+    ({"endpoints": ()}, "endpoints"), ({"endpoints": object()}, "endpoints"),
+    ({"endpoints": [object()]}, "endpoints"),
     ({"rpc_timeout_s": 0}, "rpc_timeout_s"), ({"retry_budget_s": -1}, "retry_budget_s"),
     ({"registered": "yes"}, "registered"),
 ])
@@ -185,3 +190,105 @@ async def test_a_request_lost_during_the_drain_means_not_drained() -> None:
     report = await asyncio.wait_for(shutdown, 5.0)
     assert report.left_inflight == 0 and not report.drained
     assert report.to_dict()["lost_requests"] == 1
+
+
+async def test_a_live_list_is_read_when_the_drain_runs() -> None:
+    """Dynamo's components hand over ``shutdown_endpoints`` empty and fill it in place
+    once the engine is up: the drain unregisters what the list holds then."""
+    log: list[str] = []
+    endpoints: list[StandInEndpoint] = []
+    discovery = DynamoDiscovery(endpoints)
+    assert discovery.endpoints == []
+    await discovery.unregister()  # nothing served yet: nothing to do, not an error
+    assert log == [] and not discovery.registered
+    discovery.served()
+    endpoints[:] = [StandInEndpoint(log), StandInEndpoint(log)]
+    await discovery.unregister()
+    assert log == ["unregister", "unregister"]
+
+
+async def test_sigterm_before_any_endpoint_exists_still_shuts_the_runtime_down() -> None:
+    """The early-SIGTERM hang: a signal during model load, while Dynamo's
+    ``shutdown_endpoints`` is still empty, used to raise before the runtime's shutdown
+    (the worker then hung until SIGKILL). Now it drains nothing and shuts down."""
+    log: list[str] = []
+    gate = AdmissionGate()
+    shutdown_event = asyncio.Event()
+    reports: list[Any] = []
+    loop = asyncio.get_running_loop()
+    task_of = install_signal_handlers(loop, StandInRuntime(log), [], shutdown_event,
+                                      on_done=reports.append, gate=gate, budget_s=5.0)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(500):
+            if reports:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+    task = task_of()
+    assert task is not None and task.done() and task.exception() is None
+    assert log == ["runtime.shutdown"] and shutdown_event.is_set()
+    report = reports[0]
+    assert report.drained and report.left_inflight == 0
+    outcomes = {s.stage: s.outcome.value for s in report.stages}
+    assert outcomes["router_grace"] == "skipped"  # nothing was registered
+
+
+async def test_shutdown_with_bad_endpoints_reports_it_and_still_shuts_down() -> None:
+    log: list[str] = []
+    report = await graceful_shutdown_with_drain(StandInRuntime(log), (object(),),  # type: ignore[arg-type]
+                                                gate=AdmissionGate(), budget_s=1.0)
+    assert not report.drained and log == ["runtime.shutdown"]
+    assert {s.stage: s.outcome.value for s in report.stages}["unregister"] == "failed"
+
+
+class StandInContext:
+    def __init__(self, stopped: bool) -> None:
+        self.stopped = stopped
+
+    def is_stopped(self) -> bool:
+        return self.stopped
+
+
+@pytest.mark.parametrize("chunks,stopped,outcome", [
+    ([{"token_ids": [1]}, {"token_ids": [2], "finish_reason": "length"}], False, "completed"),
+    ([{"token_ids": [1], "finish_reason": "stop"}], False, "completed"),
+    ([{"token_ids": [1]}, {"token_ids": [], "finish_reason": "cancelled"}], True,
+     "client_gone"),
+    ([{"token_ids": [1]}, {"token_ids": [], "finish_reason": "cancelled"}], False, "lost"),
+    ([{"token_ids": [], "finish_reason": "error: engine dead"}], False, "lost"),
+    ([{"token_ids": [1]}, {"token_ids": [2]}], False, "lost"),  # no finish: fail closed
+])
+async def test_a_dynamo_stream_counts_the_outcome_its_chunks_state(
+        chunks: list[dict[str, Any]], stopped: bool, outcome: str) -> None:
+    """Dynamo's handlers end a stream with a finish_reason chunk, also when the engine
+    aborted it or failed: a stream that ends normally is not by itself completed."""
+    gate = AdmissionGate()
+
+    async def generate(request: dict[str, Any], context: StandInContext
+                       ) -> AsyncIterator[dict[str, Any]]:
+        for chunk in chunks:
+            yield chunk
+
+    handler = gated(generate, gate, outcome=finish_outcome)
+    assert [c async for c in handler({}, StandInContext(stopped))] == chunks
+    counts = gate.outcomes().to_dict()
+    assert counts[outcome] == 1 and sum(counts.values()) == 1
+
+
+async def test_a_closed_gate_raises_the_refusal_the_component_chose() -> None:
+    class Unavailable(Exception):
+        pass
+
+    gate = AdmissionGate()
+    gate.close("draining")
+
+    async def generate(request: dict[str, Any], context: object) -> AsyncIterator[int]:
+        yield 1
+
+    handler = gated(generate, gate, refusal=lambda refused: Unavailable(str(refused)))
+    with pytest.raises(Unavailable):
+        await handler({}, object()).__anext__()
+    assert gate.inflight == 0 and gate.outcomes().ended == 0

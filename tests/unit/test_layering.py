@@ -18,6 +18,7 @@ MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "e
               "eta"}
 LIFECYCLE = {"lifecycle", "lifecycle_state", "shutdown"}
 FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client",
+         "dynamo_worker",
          "pod_deletion_cost",
          "serve_options", "openai_api", "openai_protocol", "status_format"}
 ENGINE_IMPORTS = {"vllm": {"vllm"}, "sglang": {"sglang"}, "trtllm": {"tensorrt_llm"},

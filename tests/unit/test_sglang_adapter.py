@@ -18,18 +18,26 @@ from quiesce import EngineNotInstalled, Role, Verdict
 from quiesce.adapters.sglang import SglangEngineControl, SglangProbe, probe_factory
 from quiesce.adapters.sglang import probe as sglang_probe
 from quiesce.adapters.sglang.frontend import snapshot_work
+from quiesce.adapters.sglang.idle_fingerprint import TESTED_IDLE_FINGERPRINTS
 from quiesce.adapters.sglang.plugin import HOOK_TARGET, register_hook
 from quiesce.adapters.sglang.scheduler_rpc import states_work
-from quiesce.adapters.sglang.scheduler_state import STATE_KEY, add_state_to_internal_state
+from quiesce.adapters.sglang.scheduler_state import (
+    SCHEMA,
+    STATE_KEY,
+    add_state_to_internal_state,
+)
 from quiesce.adapters.sglang.serving import SglangServing, sampling_params
-from quiesce.errors import RequestAborted, RequestRejected
+from quiesce.adapters.sglang.topology import dp_ranks_of, topology_problem
+from quiesce.errors import ConfigError, RequestAborted, RequestRejected
 from quiesce.generation import Sampling
 
 
-def state(**overrides: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {"schema": 1, "is_fully_idle": True, "mode": "null",
+def state(dp: int = 0, **overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"schema": SCHEMA, "is_fully_idle": True, "mode": "null",
                             "counts": {"waiting": 0, "running": 0, "chunked": 0, "grammar": 0},
                             "uncovered": {"deferred_inputs": 0}, "engine_paused": False,
+                            "rank": {"dp": dp, "pp": 0, "pp_size": 1, "tp": 0},
+                            "idle_fingerprint": TESTED_IDLE_FINGERPRINTS["0.5.23"],
                             "answered_at": 1.0}
     return {**base, **overrides}
 
@@ -42,19 +50,48 @@ def test_import_needs_no_sglang_and_the_factory_names_the_extra(
 
 
 def test_states_work_ands_every_rank() -> None:
-    answers = [{STATE_KEY: state()}, {STATE_KEY: state(is_fully_idle=False)}]
+    answers = [{STATE_KEY: state(0)}, {STATE_KEY: state(1, is_fully_idle=False)}]
     work = states_work(answers, Role.AGGREGATED, expected_ranks=2)
     assert work.verdict is Verdict.BUSY and work.engine_has_work is True
-    assert states_work(answers[:1] * 2, Role.AGGREGATED,
-                       expected_ranks=2).verdict is Verdict.QUIESCENT
+    idle = [{STATE_KEY: state(1)}, {STATE_KEY: state(0)}]  # any order
+    assert states_work(idle, Role.AGGREGATED, expected_ranks=2).verdict is Verdict.QUIESCENT
+
+
+def test_answers_are_keyed_by_rank() -> None:
+    doubled = [{STATE_KEY: state(0)}, {STATE_KEY: state(0, answered_at=2.0)}]
+    work = states_work(doubled, Role.AGGREGATED, expected_ranks=2)
+    assert work.verdict is Verdict.UNKNOWN and "DP rank(s) [1] did not answer" in work.reasons[0]
+    # a rank answering twice with all present counts once, with its latest answer
+    three = [*doubled, {STATE_KEY: state(1)}]
+    work = states_work(three, Role.AGGREGATED, expected_ranks=2)
+    assert work.verdict is Verdict.QUIESCENT and work.details["dp_ranks"] == 2
+    stray = [{STATE_KEY: state(5)}]
+    assert "names DP rank 5" in states_work(stray, Role.AGGREGATED,
+                                            expected_ranks=1).reasons[0]
+
+
+def test_layout_is_resolved_dp_times_attention_dp_and_pp_blinds_disaggregation() -> None:
+    tm = types.SimpleNamespace(server_args=types.SimpleNamespace(dp_size=1, attn_dp_size=4))
+    assert dp_ranks_of(tm) == 4
+    assert dp_ranks_of(types.SimpleNamespace(server_args=types.SimpleNamespace(dp_size=3))) == 3
+    assert dp_ranks_of(types.SimpleNamespace(server_args=None)) is None
+    pp = types.SimpleNamespace(server_args=types.SimpleNamespace(dp_size=1, pp_size=2))
+    assert topology_problem(pp, Role.AGGREGATED) is None
+    for role in (Role.PREFILL, Role.DECODE):
+        assert "pipeline parallelism (pp_size=2)" in str(topology_problem(pp, role))
+    staged = state(mode="prefill", rank={"dp": 0, "pp": 0, "pp_size": 2, "tp": 0})
+    work = states_work([{STATE_KEY: staged}], Role.PREFILL, expected_ranks=1)
+    assert work.verdict is Verdict.UNKNOWN and "only pipeline stage 0" in work.reasons[0]
 
 
 @pytest.mark.parametrize(("answer", "reason"), [
     ({}, "plugin is not loaded"),
-    ({STATE_KEY: state(schema=2)}, "schema"),
-    ({STATE_KEY: {"schema": 1, "error": "StateDrift: x"}}, "could not read"),
+    ({STATE_KEY: state(schema=SCHEMA + 1)}, "schema"),
+    ({STATE_KEY: {"schema": SCHEMA, "error": "StateDrift: x"}}, "could not read"),
     ({STATE_KEY: state(is_fully_idle="yes")}, "malformed"),
     ({STATE_KEY: state(answered_at=0.5)}, "predates"),
+    ({STATE_KEY: state(idle_fingerprint="0" * 16)}, "not one this adapter was tested"),
+    ({STATE_KEY: state(rank=None)}, "no pipeline size"),
     ("not a dict", "plugin is not loaded"),
 ])
 def test_states_work_fails_closed(answer: Any, reason: str) -> None:
@@ -219,3 +256,15 @@ def test_rid_to_state_alone_never_proves_quiescence() -> None:
     assert work.verdict is Verdict.UNKNOWN and "waiting, running" in work.reasons[0]
     manager.rid_to_state["r"] = object()
     assert p.main_process_work().verdict is Verdict.BUSY
+
+
+async def test_prefill_abort_all_without_readable_state_counts_only_requests(
+        caplog: pytest.LogCaptureFixture) -> None:
+    manager = FakeTokenizerManager([])  # no get_internal_state: the plugin's state unreadable
+    manager.rid_to_state.update(a=1)
+    control = SglangEngineControl(types.SimpleNamespace(tokenizer_manager=manager), "prefill",
+                                  abort_settle_s=0.01)
+    assert await control.abort_all("budget") == 1 and control.abandoned == 0
+    assert "unaccounted" in caplog.text
+    with pytest.raises(ConfigError, match="abort_settle_s"):
+        SglangEngineControl(object(), abort_settle_s=0)

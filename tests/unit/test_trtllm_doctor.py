@@ -14,6 +14,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,19 @@ from quiesce.adapters.trtllm.layouts import CTX_IN_TRANSMISSION, TRANSFER_MANAGE
 from quiesce.cli import main
 
 
-def cls(name: str, attrs: str = "", methods: tuple[str, ...] = (), body: str = "") -> str:
-    """A fixture class: ``attrs`` are lines of ``__init__``; ``methods`` empty defs."""
+def cls(name: str, attrs: str = "", methods: tuple[str, ...] = (), body: str = "",
+        live: bool = True) -> str:
+    """A fixture class: ``attrs`` are lines of ``__init__``; ``methods`` empty defs.
+    ``live``: a ``_loop`` method reads every attribute ``__init__`` assigns, as the
+    executor loop reads what it uses."""
     lines = [f"class {name}:", f"    kind = {name!r}"]
     if attrs:
         lines.append("    def __init__(self):")
         lines.extend(f"        {line}" for line in attrs.strip().splitlines())
+        names = re.findall(r"self\.(\w+)", attrs)
+        if live and names:
+            lines.append("    def _loop(self):")
+            lines.append(f"        return ({', '.join(f'self.{n}' for n in names)},)")
     lines.extend(f"    def {m}(self):\n        return None" for m in methods)
     if body:
         lines.append(body)
@@ -54,14 +62,19 @@ COMMON = {
     "executor/ray/gpu_worker.py": cls("RayWorkerWrapper",
                                       methods=("_inject_worker_extension",)),
 }
+BUMP = "    def _executor_loop(self):\n        self.iter_counter += 1"
 NEW_EXECUTOR = cls("PyExecutor", """
 self.active_requests: list = []
 self.waiting_queue = create_waiting_queue()
 self.executor_request_queue, self.dist = make_queue(), None
 self.async_transfer_manager = AsyncTransferManager(None)
-""")
-NEW_QUEUE = cls("ExecutorRequestQueue", "self.request_queue = None",
-                methods=("get_request_queue_size",))
+self.control_requests: list = []
+self.request_accumulated: list = []
+self.iter_counter = 0
+self.is_shutdown = False
+""", methods=("control_action",), body=BUMP)
+NEW_QUEUE = cls("ExecutorRequestQueue", "self.request_queue = queue.Queue()\nself.active = True",
+                methods=("get_request_queue_size", "enqueue_control_request"))
 TRANSFER_MANAGER_CLASS = cls("AsyncTransferManager", "self._requests_in_transfer = {}",
                              methods=("requests_in_transfer", "has_any_inflight_requests"))
 
@@ -71,12 +84,22 @@ def old_executor(tracker: str, waiting: str = "") -> str:
 self.active_requests = []
 self.executor_request_queue = make_queue()
 self.ctx_in_transmission_requests = {tracker}
+self.kv_connector_manager = None
+self.iter_counter = 0
+self.is_shutdown = False
 {waiting}
-""")
+""", body=BUMP)
 
 
-OLD_QUEUE = cls("ExecutorRequestQueue", "self.waiting_queue = deque()",
+OLD_QUEUE = cls("ExecutorRequestQueue", "self.waiting_queue = deque()\nself.active = True\n"
+                "self.request_queue = queue.Queue()",
                 methods=("get_waiting_queue_size", "get_request_queue_size"))
+MID_QUEUE = cls("ExecutorRequestQueue", """
+self.request_queue = queue.Queue()
+self.active = True
+self.control_requests = []
+self.request_accumulated = []
+""", methods=("get_request_queue_size", "enqueue_control_request"))
 
 LAYOUTS: dict[str, dict[str, str]] = {
     # 2026 main: the transfer manager in its own module
@@ -88,7 +111,7 @@ LAYOUTS: dict[str, dict[str, str]] = {
                                 REQUEST_QUEUE: NEW_QUEUE},
     # late 2025: ctx_in_transmission_requests as a dict with a counter
     "ctx-dict": {**COMMON, PY_EXECUTOR: old_executor("dict()", "self.waiting_queue = []"),
-                 REQUEST_QUEUE: NEW_QUEUE},
+                 REQUEST_QUEUE: MID_QUEUE},
     # 2025: a list, the waiting queue on ExecutorRequestQueue, the older Ray module
     "ctx-list": {**{k: v for k, v in COMMON.items() if "ray/" not in k},
                  "version.py": "__version__ = '1.0.0.fixture'\n",
@@ -109,6 +132,10 @@ def write_tree(base: Path, layout: str) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     return base
+
+
+def required_missing(report: doctor.DriftReport) -> list[str]:
+    return [r.requirement.key for r in report.missing if r.requirement.required]
 
 
 def statuses(report: doctor.DriftReport) -> dict[str, tuple[str, str | None]]:
@@ -137,14 +164,15 @@ def test_a_renamed_worker_class_is_drift(tmp_path: Path) -> None:
     root = write_tree(tmp_path, "transfer-manager-module") / "tensorrt_llm"
     (root / "executor/worker.py").write_text(cls("SingleProcessWorker", "self.rank = 0"))
     report = doctor.check(root)
-    assert not report.ok
-    assert [r.requirement.key for r in report.missing] == ["in_process_worker"]
+    assert not report.ok and report.status == "drift" and report.exit_code == 1
+    assert required_missing(report) == ["in_process_worker"]
 
 
 def test_drifted_layout_fails_naming_what_is_missing(tmp_path: Path) -> None:
     report = doctor.check(doctor.package_dir(write_tree(tmp_path, "drifted")))
     assert not report.ok
-    assert [r.requirement.key for r in report.missing] == ["ctx_in_transfer"]
+    # the renamed tracker also hides what tells a connector's saves (kv_connector)
+    assert required_missing(report) == ["ctx_in_transfer", "kv_connector"]
     missing = report.missing[0]
     assert TRANSFER_MANAGER in missing.note and CTX_IN_TRANSMISSION in missing.note
     assert "UNKNOWN" in report.summary()
@@ -155,8 +183,8 @@ def test_optional_names_missing_still_pass_but_are_reported(tmp_path: Path) -> N
     (root / "_torch/pyexecutor/llm_request.py").unlink()
     report = doctor.check(root)
     assert report.ok
-    assert statuses(report)["attention_dp_dummy"] == ("missing", None)
-    assert "optional missing: attention_dp_dummy" in report.summary()
+    assert statuses(report)["attention_dp_dummy"] == ("incomplete", None)
+    assert "optional missing: attention_dp_dummy (incomplete)" in report.summary()
 
 
 def test_a_file_that_does_not_parse_counts_as_missing(tmp_path: Path) -> None:

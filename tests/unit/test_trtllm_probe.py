@@ -130,6 +130,7 @@ class OldExecutor:
         held = [object() for _ in range(in_transfer)]
         self.ctx_in_transmission_requests: Any = (dict(enumerate(held)) if as_dict else held)
         self.kv_cache_transceiver = Transceiver()
+        self.kv_connector_manager: Any = None  # no KV connector configured
 
 
 class DriftedExecutor(NewExecutor):

@@ -26,7 +26,7 @@ def hooked() -> Iterator[None]:
     try:
         assert plugin.register_hook() is True
         HookRegistry.apply_hooks()
-        with get_parallel().override(pp_size=1):
+        with get_parallel().override(pp_size=1, pp_rank=0, tp_rank=0, dp_rank=None):
             yield
     finally:
         Scheduler.get_internal_state = original

@@ -77,7 +77,7 @@ async def test_a_short_rank_list_is_unknown() -> None:
     tm = shells.tokenizer_manager([shells.scheduler("null")], dp_size=2)
     work = await probe(tm, Role.AGGREGATED).pending_work()
     assert work.verdict is Verdict.UNKNOWN
-    assert any("only 1 of 2 DP ranks" in r for r in work.reasons)
+    assert any("DP rank(s) [1] did not answer" in r for r in work.reasons)
 
 
 async def test_without_the_hook_the_answer_lacks_the_state_and_is_unknown() -> None:

