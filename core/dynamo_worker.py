@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -73,6 +74,9 @@ def _emit(event: dict[str, object]) -> None:
 async def run_dynamo_worker(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run Dynamo's worker until signalled, then shut down on one budget (exit code)."""
     policy, drain_config = dynamo_policy(args)  # ConfigError before anything starts
+    if importlib.util.find_spec("dynamo") is None:
+        raise ConfigError("dynamo", "ai-dynamo is not installed: quiesce dynamo runs Dynamo's "
+                          "own worker (ai-dynamo 1.6.1; ci/setup_dynamo.sh shows how)")
     token = load_token(args.admin_token_file)
     check_bind(args.admin_host, token)
     admin_socket = bind_socket(args.admin_host, args.admin_port, listen=False)

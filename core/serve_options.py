@@ -281,6 +281,11 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 
 DYNAMO_COMPONENTS = ("vllm",)
 """Dynamo worker components ``quiesce dynamo`` runs (``python -m dynamo.<name>``)."""
+DYNAMO_GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
+DYNAMO_GRACE_S = 5.0
+"""The router grace of ``quiesce dynamo``: how long Dynamo's frontends may still send
+after the unregister. Measured with the ``file`` discovery backend: a frontend picked an
+unregistered worker 1.6 s later (bench/dynamo, worker and frontend logs)."""
 
 
 def add_dynamo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -297,14 +302,24 @@ def add_dynamo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve", type=float, default=None,
                         help="part of the budget kept for abort and Dynamo's teardown, s "
                              "(default: a fifth of the budget, at most 5)")
-    parser.add_argument("--router-grace", type=float, default=1.0,
-                        help="keep admitting this long after unregistering, s (%(default)s; "
-                             "Dynamo's frontends drop an unregistered instance in ms)")
+    parser.add_argument("--router-grace", type=float, default=None,
+                        help="keep admitting this long after unregistering, while Dynamo's "
+                             f"frontends converge, s (default: ${DYNAMO_GRACE_ENV}, else "
+                             f"{DYNAMO_GRACE_S:g}, the grace Dynamo's own helper gives them; "
+                             "unlike it, nothing is aborted afterwards)")
 
 
-def dynamo_policy(args: argparse.Namespace) -> tuple[ShutdownPolicy, DrainConfig]:
+def dynamo_policy(args: argparse.Namespace,
+                  environ: Mapping[str, str] = os.environ) -> tuple[ShutdownPolicy, DrainConfig]:
     """The shutdown budget and drain settings of ``quiesce dynamo``; ConfigError naming
-    the field for bad values."""
+    the field for bad values (a bad ``$DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS`` too)."""
     reserve = args.reserve if args.reserve is not None else min(5.0, max(args.budget, 0) / 5)
+    grace = args.router_grace
+    if grace is None:
+        text = environ.get(DYNAMO_GRACE_ENV, "")
+        try:
+            grace = float(text) if text else DYNAMO_GRACE_S
+        except ValueError:
+            raise ConfigError(DYNAMO_GRACE_ENV, f"not a number of seconds: {text!r}") from None
     return (ShutdownPolicy(total_s=args.budget, cleanup_reserve_s=reserve),
-            DrainConfig(router_grace_s=args.router_grace))
+            DrainConfig(router_grace_s=grace))

@@ -10,10 +10,12 @@ One process, one event loop, two HTTP servers:
 - the admin API on ``--admin-port`` (:mod:`quiesce.server`).
 
 SIGTERM or SIGINT runs the budgeted shutdown (:mod:`quiesce.shutdown`); a second
-signal exits at once. The process prints one JSON line when it is ready
-(``{"event": "ready", "port": ..., "admin_port": ..., "pid": ...}``) and one when it
-exits (``{"event": "exit", ...}`` with the shutdown report: how every request admitted
-since the drain began ended); the exit code is the report's: 0 drained with nothing lost,
+signal exits at once. The process prints one JSON line once it owns its signals
+(``{"event": "starting", "pid": ...}``), one when it is ready (``{"event": "ready",
+"port": ..., "admin_port": ..., "pid": ...}``; a worker signalled before that never
+registers or serves) and one when it exits (``{"event": "exit", ...}`` with the shutdown
+report: how every request admitted since the drain began ended); the exit code is the
+report's: 0 drained with nothing lost,
 3 forced (the budget ran out), 5 requests lost on the way, 4 second signal.
 
 Signals: the worker owns SIGTERM and SIGINT (:mod:`quiesce.signal_guard`). Its engine's
@@ -182,6 +184,7 @@ async def run_worker(options: WorkerOptions) -> int:
 
     for sig in SIGNALS:
         loop.add_signal_handler(sig, during_start, sig)
+    _emit({"event": "starting", "pid": os.getpid()})
     try:
         return await _serve(options, token, signals, early)
     finally:
@@ -238,6 +241,11 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     # Registered before the servers start: nothing is served (and /health/ready does not
     # answer) until routers can find the worker; a failed registration serves nothing.
     # What connects during the registration (a few ms) waits in the listen backlog.
+    if shutdown.requested:  # signalled while the engine started: never register or serve
+        log.warning("signalled during start-up: stopping without serving")
+        report = await shutdown.run()
+        _emit({"event": "exit", **report.to_dict()})
+        return report.exit_code
     for sock in (api_socket, admin_socket):
         sock.listen(LISTEN_BACKLOG)
     await _start_or_stop(lifecycle, serving)

@@ -11,8 +11,8 @@ For a worker that serves Dynamo endpoints with ``ai-dynamo-runtime``
   admitted through an :class:`~quiesce.admission.AdmissionGate` and released with the
   outcome its stream shows (:func:`finish_outcome` reads Dynamo's ``finish_reason``).
 - :func:`graceful_shutdown_with_drain` / :func:`install_signal_handlers`
-  (:mod:`.shutdown`) — a drop-in for Dynamo's graceful-shutdown helper (same positional
-  parameters) that drains instead of sleeping a fixed grace period.
+  (:mod:`.shutdown`) — a drop-in for Dynamo's graceful-shutdown helper that drains
+  instead of sleeping a fixed grace period.
 - :mod:`.components` — hooks into Dynamo's own worker components (``dynamo.vllm``), used
   by ``quiesce dynamo vllm -- ...`` (:mod:`quiesce.dynamo_worker`).
 

@@ -43,7 +43,7 @@ from types import ModuleType
 from typing import Any
 
 from quiesce.admission import AdmissionGate
-from quiesce.errors import ConfigError, EngineNotInstalled, WorkerDraining
+from quiesce.errors import ConfigError, WorkerDraining
 from quiesce.probe import PendingWork, Probe, QuiescenceProbe, Role
 
 from .gated import finish_outcome, gated
@@ -131,15 +131,17 @@ class VllmComponent:
     def install(self) -> None:
         """Import ``dynamo.vllm`` and put quiesce's hooks in place (module docstring).
 
-        Raises :class:`EngineNotInstalled` without ai-dynamo or vLLM, and
-        :class:`ConfigError` naming what is missing when Dynamo's layout differs.
+        Raises :class:`ConfigError` naming what is missing: ai-dynamo or vLLM not
+        importable, or a Dynamo whose layout differs.
         """
         try:
             main = importlib.import_module("dynamo.vllm.main")
             handlers = importlib.import_module("dynamo.vllm.handlers")
             errors = importlib.import_module("dynamo.llm.exceptions")
         except ImportError as exc:
-            raise EngineNotInstalled("dynamo", f"ai-dynamo and vllm ({exc})", "dynamo") from None
+            raise ConfigError("dynamo", f"dynamo.vllm cannot be imported ({exc}): it needs "
+                              "ai-dynamo 1.6.1 and the vLLM it pins (0.31); "
+                              "ci/setup_dynamo.sh shows how to install them") from None
         missing = [name for name in MAIN_NAMES if not callable(getattr(main, name, None))]
         missing += [f"handlers.{name}.generate" for name in HANDLER_CLASSES
                     if not callable(getattr(getattr(handlers, name, None), "generate", None))]

@@ -1,9 +1,10 @@
 """A drop-in for Dynamo's graceful-shutdown helper that drains instead of sleeping.
 
-:func:`graceful_shutdown_with_drain` / :func:`install_signal_handlers` take the same
-positional parameters as ``dynamo.common.utils.graceful_shutdown`` 1.6.1 (``runtime,
-endpoints, shutdown_event, grace_period_s, drain_callback, pre_shutdown_callback,
-cleanup_callback``). In order:
+:func:`graceful_shutdown_with_drain` takes the same positional parameters as
+``dynamo.common.utils.graceful_shutdown.graceful_shutdown_with_discovery`` 1.6.1
+(``runtime, endpoints, shutdown_event, grace_period_s, drain_callback,
+pre_shutdown_callback, cleanup_callback``); :func:`install_signal_handlers` the first four
+of Dynamo's (``loop, runtime, endpoints, shutdown_event``), the rest by keyword. In order:
 
 1. unregister (:class:`~.discovery.DynamoDiscovery`; the endpoints as they are when the
    signal comes: none yet during model load is not an error);

@@ -1,7 +1,7 @@
 """DynamoDiscovery and the draining shutdown against the real Dynamo runtime (1.6.1).
 
 Runs in the Dynamo environment (``bash ci/setup_dynamo.sh``; ``.venv-dynamo/bin/pytest
---noconftest tests/integration/test_dynamo_discovery.py``); elsewhere it skips, saying so.
+tests/integration/test_dynamo_discovery.py``); elsewhere it skips, saying so.
 
 Two worker processes (this module run as ``python -m tests.integration.test_dynamo_discovery
 worker NAME``) serve ``quiesce.backend.generate`` with the runtime's ``file`` discovery
@@ -50,7 +50,7 @@ from quiesce.adapters.dynamo import (
 ROOT = Path(__file__).resolve().parents[2]
 ENDPOINT = "quiesce.backend.generate"
 SKIP_REASON = ("ai-dynamo-runtime is not installed here: run bash ci/setup_dynamo.sh, then "
-               ".venv-dynamo/bin/pytest --noconftest tests/integration/"
+               ".venv-dynamo/bin/pytest tests/integration/"
                "test_dynamo_discovery.py")
 
 

@@ -23,7 +23,7 @@ import httpx
 TOKEN = "test-token-0123456789"
 
 
-def _events(lines: list[str]) -> Iterator[dict[str, object]]:
+def json_events(lines: list[str]) -> Iterator[dict[str, object]]:
     """The worker's JSON event lines among everything it printed (engines log to stdout)."""
     for line in lines:
         with contextlib.suppress(json.JSONDecodeError):
@@ -68,7 +68,7 @@ class Worker:
             self.process.wait()
             return None, None
         self.reader.join(timeout=10)
-        exits = [e for e in _events(self.lines) if e.get("event") == "exit"]
+        exits = [e for e in json_events(self.lines) if e.get("event") == "exit"]
         return self.process.returncode, (exits[-1] if exits else None)
 
 
@@ -110,7 +110,7 @@ def start_worker(*args: str, engine: tuple[str, ...] = ("--engine", "sim"),
     worker = Worker(process, lines, reader)
     try:
         ready.wait(startup_timeout)
-        events = [e for e in _events(lines) if e.get("event") == "ready"]
+        events = [e for e in json_events(lines) if e.get("event") == "ready"]
         if not events:
             raise RuntimeError(f"worker did not report ready within {startup_timeout}s "
                                f"(exit code {process.poll()})")

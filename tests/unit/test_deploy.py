@@ -1,36 +1,64 @@
-"""The Kubernetes recipe keeps its timing promise: the worker always exits before SIGKILL.
+"""The Kubernetes recipes keep their timing promise: the worker always exits before SIGKILL.
 
-Reads deploy/kubernetes/worker.yaml and checks the rule stated at its top against the
+Reads the manifests in deploy/kubernetes/ (the reference worker, and Dynamo's vLLM worker
+under ``quiesce dynamo vllm``) and checks the rule stated at the top of each against the
 real CLI parsers (so a renamed flag breaks this test, not a cluster).
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import pytest
 import yaml
 
-from quiesce.cli import build_parser
+from quiesce.cli import DEFAULT_URL, build_parser
 
-MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "worker.yaml"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+MANIFEST = DEPLOY / "worker.yaml"
+DYNAMO_MANIFEST = DEPLOY / "dynamo-vllm-worker.yaml"
+MANIFESTS = [MANIFEST, DYNAMO_MANIFEST]
 
 
-def deployment() -> dict[str, Any]:
-    docs = [d for d in yaml.safe_load_all(MANIFEST.read_text()) if d]
+def test_every_manifest_is_checked_here() -> None:
+    assert sorted(DEPLOY.glob("*.yaml")) == sorted(MANIFESTS)
+
+
+def deployment(manifest: Path = MANIFEST) -> dict[str, Any]:
+    docs = [d for d in yaml.safe_load_all(manifest.read_text()) if d]
     (found,) = [d for d in docs if d["kind"] == "Deployment"]
     assert isinstance(found, dict)
     return found
 
 
-def test_worker_exits_before_sigkill_in_every_case() -> None:
-    pod = deployment()["spec"]["template"]["spec"]
+def parse(command: list[str]) -> argparse.Namespace:
+    """The worker's or the hook's command line as ``quiesce`` parses it (for ``quiesce
+    dynamo``, the arguments after ``--`` go to Dynamo, as in ``quiesce.cli.main``)."""
+    words = command[1:]
+    passthrough: list[str] = []
+    if words[:1] == ["dynamo"] and "--" in words:
+        cut = words.index("--")
+        words, passthrough = words[:cut], words[cut + 1:]
+    args = build_parser().parse_args(words)
+    args.passthrough = passthrough
+    return args
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.name)
+def test_worker_exits_before_sigkill_in_every_case(manifest: Path) -> None:
+    pod = deployment(manifest)["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     grace = float(pod["terminationGracePeriodSeconds"])
-    serve = build_parser().parse_args(container["command"][1:])
-    prestop = build_parser().parse_args(container["lifecycle"]["preStop"]["exec"]["command"][1:])
-    env = {e["name"]: e for e in container["env"]}
-    assert float(env["QUIESCE_GRACE_PERIOD_S"]["value"]) == grace
+    serve = parse(container["command"])
+    prestop = parse(container["lifecycle"]["preStop"]["exec"]["command"])
+    env = {e["name"]: e for e in container.get("env", [])}
+    # the hook's grace period: its --grace-period, else $QUIESCE_GRACE_PERIOD_S
+    told = (prestop.grace_period if prestop.grace_period is not None
+            else float(env["QUIESCE_GRACE_PERIOD_S"]["value"]))
+    assert told == grace
     prestop_budget = grace - prestop.margin
     # SIGTERM arrives at the latest when prestop gives up; the worker's own budget must end
     # before the kubelet's SIGKILL at the grace period.
@@ -38,14 +66,33 @@ def test_worker_exits_before_sigkill_in_every_case() -> None:
     assert prestop_budget + serve.budget < grace
 
 
-def test_admin_api_is_protected_and_probes_point_at_it() -> None:
-    (container,) = deployment()["spec"]["template"]["spec"]["containers"]
-    serve = build_parser().parse_args(container["command"][1:])
+@pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.name)
+def test_admin_api_is_protected_and_probes_point_at_it(manifest: Path) -> None:
+    (container,) = deployment(manifest)["spec"]["template"]["spec"]["containers"]
+    serve = parse(container["command"])
     env = {e["name"]: e for e in container["env"]}
     assert serve.admin_host == "0.0.0.0"
     assert "secretKeyRef" in env["QUIESCE_ADMIN_TOKEN"]["valueFrom"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert ports[container[probe]["httpGet"]["port"]] == serve.admin_port
+    prestop = parse(container["lifecycle"]["preStop"]["exec"]["command"])
+    url = prestop.url or env.get("QUIESCE_ADMIN_URL", {}).get("value") or DEFAULT_URL
+    assert urlsplit(url).port == serve.admin_port  # the hook drains this worker
+
+
+def test_dynamo_worker_runs_dynamo_vllm_on_one_gpu_and_waits_for_its_model() -> None:
+    (container,) = deployment(DYNAMO_MANIFEST)["spec"]["template"]["spec"]["containers"]
+    serve = parse(container["command"])
+    assert serve.command == "dynamo" and serve.component == "vllm"
+    assert "--model" in serve.passthrough  # Dynamo's own arguments, after --
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # the admin API listens only once the model is registered: liveness must wait for it
+    startup = container["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health/live"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
 
 
 def test_the_pod_may_patch_its_own_deletion_cost() -> None:

@@ -49,5 +49,5 @@ def cluster_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def frontend_url(cluster_dir: Path) -> Iterator[str]:
     """Dynamo's real frontend, shared by the module's tests (workers come and go)."""
-    with frontend(cluster_dir / "store") as url:
-        yield url
+    with frontend(cluster_dir / "store") as running:
+        yield running.url

