@@ -106,10 +106,14 @@ class DrainConfig:
     """Knobs of a drain run. Invalid values raise :class:`ConfigError` naming the field.
 
     ``router_grace_s``: after unregistering, keep admitting this long, because routers
-    that already picked this worker are still sending. ``budget_s``: default bound of
-    an admin drain (``None``: until resumed). ``registration_timeout_s``: how long a
-    resume waits for discovery (an unregister still running, then the registration)
-    before it rolls back. ``heartbeat_s``: how often a long wait
+    that already picked this worker are still sending. ``router_quiet_s``: then keep
+    admitting until no request has been admitted for this long (0: off), because a
+    router that has not seen the unregister yet is still sending: the grace ends on
+    evidence (silence) rather than on a guess (:func:`wait_router_quiet`).
+    ``budget_s``: default bound of an admin drain (``None``: until resumed).
+    ``registration_timeout_s``: how long a resume waits for discovery (an unregister
+    still running, then the registration) before it rolls back. ``heartbeat_s``: how
+    often a long wait
     logs the pending work. ``poll_base_s``/``poll_cap_s``: the backoff between reads of
     probes that cannot notify (a notifying probe is also read again at least this
     often); the 8 ms cap keeps a polled vLLM probe within an engine step plus a few ms
@@ -117,6 +121,7 @@ class DrainConfig:
     """
 
     router_grace_s: float = 2.0
+    router_quiet_s: float = 0.0
     budget_s: float | None = None
     registration_timeout_s: float = 10.0
     probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
@@ -126,6 +131,7 @@ class DrainConfig:
 
     def __post_init__(self) -> None:
         check_seconds("router_grace_s", self.router_grace_s)
+        check_seconds("router_quiet_s", self.router_quiet_s)
         check_seconds("budget_s", self.budget_s, allow_none=True)
         check_seconds("registration_timeout_s", self.registration_timeout_s,
                       allow_zero=False)
@@ -152,6 +158,33 @@ class Backoff:
 
     def reset(self) -> None:
         self._next = self._base
+
+
+QUIET_POLL_S = 0.05
+"""How often :func:`wait_router_quiet` looks at the gate's admission count."""
+
+
+async def wait_router_quiet(gate: AdmissionGate, quiet_s: float, deadline: Deadline,
+                            clock: Clock = time.monotonic) -> float:
+    """Keep admitting until nothing has been admitted for ``quiet_s`` seconds (counted
+    from the call at the earliest), bounded by ``deadline``; returns the time waited.
+
+    Reads ``gate.admitted_total`` every :data:`QUIET_POLL_S`; changes nothing. A router
+    that still sends after the unregister keeps the gate open; one with a gap longer
+    than ``quiet_s`` between two requests meets a closed gate (the typed, retryable
+    refusal) — the residual risk, which a longer ``quiet_s`` narrows.
+    """
+    start = last = clock()
+    if quiet_s <= 0:
+        return 0.0
+    seen = gate.admitted_total
+    while True:
+        left = min(quiet_s - (clock() - last), deadline.remaining())
+        if left <= 0:
+            return clock() - start
+        await asyncio.sleep(min(left, QUIET_POLL_S))
+        if gate.admitted_total != seen:
+            seen, last = gate.admitted_total, clock()
 
 
 async def wait_admitted_zero(gate: AdmissionGate, deadline: Deadline,

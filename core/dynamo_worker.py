@@ -10,7 +10,9 @@ process with the hooks of :mod:`quiesce.adapters.dynamo.components`, and around 
 - every request Dynamo's handlers serve is admitted through the gate; once draining, a
   new one gets Dynamo's ``WorkerUnavailable`` (HTTP 503) before any work;
 - SIGTERM runs the budgeted shutdown (:mod:`quiesce.shutdown`): unregister the worker's
-  endpoint instances, router grace, close admission, wait until nothing is admitted and
+  model card (what Dynamo's frontend routes by) and endpoint instances, router grace (at
+  least ``--router-grace``, then until ``--router-quiet`` passes without a request),
+  close admission, wait until nothing is admitted and
   the vLLM engine (its own counts, held KV sends on a prefill worker included) is
   quiescent, then Dynamo's own teardown (``pre_shutdown_callback``, ``shutdown_event``,
   ``runtime.shutdown()``, engine shutdown). A second signal exits at once;
@@ -42,7 +44,7 @@ import sys
 from collections.abc import Sequence
 
 from quiesce.adapters.dynamo import DynamoDiscovery
-from quiesce.adapters.dynamo.components import VllmComponent
+from quiesce.adapters.dynamo.components import ComponentDiscovery, VllmComponent
 from quiesce.admission import AdmissionGate
 from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError, EngineNotInstalled
@@ -96,7 +98,8 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
                signals: SignalOwnership) -> int:
     gate = AdmissionGate(accepting=False)  # opened when the model is registered
     component = VllmComponent(gate)
-    discovery = DynamoDiscovery(component.endpoints, registered=False)
+    discovery = ComponentDiscovery(component,
+                                   DynamoDiscovery(component.endpoints, registered=False))
     lifecycle = Lifecycle(gate=gate, probe=component.probe, discovery=discovery,
                           config=drain_config)
     shutdown = Shutdown(lifecycle, component.control, policy, signals=signals)

@@ -15,7 +15,8 @@ A drain run, in order (one :class:`~quiesce.budget.Deadline` bounds it all):
 
 1. unregister from discovery;
 2. router grace: keep admitting for ``router_grace_s``, since routers that already
-   picked this worker are still sending (skipped if the worker was not registered);
+   picked this worker are still sending, then (``router_quiet_s``) until no request has
+   come for that long (skipped if the worker was not registered);
 3. close admission (late arrivals get the typed, retryable ``WorkerDraining``);
 4. wait until nothing is admitted (woken by the gate);
 5. wait until the probe is quiescent (woken by the probe, or short-backoff polling);
@@ -51,6 +52,7 @@ from quiesce.drain import (
     StageReport,
     wait_admitted_zero,
     wait_quiescent,
+    wait_router_quiet,
 )
 from quiesce.drain_cost import drain_cost
 from quiesce.errors import InvalidTransition, ResumeFailed
@@ -294,10 +296,14 @@ class Lifecycle:
             # 2. router grace: routers that already picked us are still sending
             t = stage("router_grace")
             grace = min(self.config.router_grace_s, deadline.remaining())
-            if was_registered and grace > 0:
+            if was_registered and (grace > 0 or self.config.router_quiet_s > 0):
                 await asyncio.sleep(grace)
-                stages.append(StageReport("router_grace", StageOutcome.COMPLETED,
-                                          self._clock() - t))
+                quiet = await wait_router_quiet(self.gate, self.config.router_quiet_s,
+                                                deadline, self._clock)
+                stages.append(StageReport(
+                    "router_grace", StageOutcome.COMPLETED, self._clock() - t,
+                    f"then {quiet:.2f}s until {self.config.router_quiet_s:g}s without a "
+                    "new request" if self.config.router_quiet_s > 0 else ""))
             else:
                 stages.append(StageReport("router_grace", StageOutcome.SKIPPED, 0.0,
                                           "was not registered" if not was_registered

@@ -282,10 +282,13 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 DYNAMO_COMPONENTS = ("vllm",)
 """Dynamo worker components ``quiesce dynamo`` runs (``python -m dynamo.<name>``)."""
 DYNAMO_GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
-DYNAMO_GRACE_S = 5.0
-"""The router grace of ``quiesce dynamo``: how long Dynamo's frontends may still send
-after the unregister. Measured with the ``file`` discovery backend: a frontend picked an
-unregistered worker 1.6 s later (bench/dynamo, worker and frontend logs)."""
+DYNAMO_GRACE_S = 1.0
+DYNAMO_QUIET_S = 2.0
+"""The router grace of ``quiesce dynamo``: at least ``DYNAMO_GRACE_S`` after the
+unregister (the model card and the endpoint instances), then until no request came for
+``DYNAMO_QUIET_S`` (:func:`quiesce.drain.wait_router_quiet`; the quiet period Dynamo's own
+later drain uses). With only the instances unregistered, Dynamo 1.6.1's frontend still
+picked the worker 5 s later (bench/dynamo logs): it routes by the model card."""
 
 
 def add_dynamo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -303,10 +306,14 @@ def add_dynamo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="part of the budget kept for abort and Dynamo's teardown, s "
                              "(default: a fifth of the budget, at most 5)")
     parser.add_argument("--router-grace", type=float, default=None,
-                        help="keep admitting this long after unregistering, while Dynamo's "
-                             f"frontends converge, s (default: ${DYNAMO_GRACE_ENV}, else "
-                             f"{DYNAMO_GRACE_S:g}, the grace Dynamo's own helper gives them; "
-                             "unlike it, nothing is aborted afterwards)")
+                        help="keep admitting at least this long after unregistering, s "
+                             f"(default: ${DYNAMO_GRACE_ENV} if set, else "
+                             f"{DYNAMO_GRACE_S:g}; unlike Dynamo's helper, nothing is "
+                             "aborted afterwards)")
+    parser.add_argument("--router-quiet", type=float, default=DYNAMO_QUIET_S,
+                        help="then keep admitting until no request came for this long, s "
+                             "(%(default)s; 0: off): a frontend that still sends keeps "
+                             "the gate open")
 
 
 def dynamo_policy(args: argparse.Namespace,
@@ -321,5 +328,6 @@ def dynamo_policy(args: argparse.Namespace,
             grace = float(text) if text else DYNAMO_GRACE_S
         except ValueError:
             raise ConfigError(DYNAMO_GRACE_ENV, f"not a number of seconds: {text!r}") from None
+    quiet = getattr(args, "router_quiet", DYNAMO_QUIET_S)
     return (ShutdownPolicy(total_s=args.budget, cleanup_reserve_s=reserve),
-            DrainConfig(router_grace_s=grace))
+            DrainConfig(router_grace_s=grace, router_quiet_s=quiet))

@@ -7,45 +7,44 @@ An engine's own processes (vLLM's EngineCore and model runner, SGLang's schedule
 install handlers that run a shutdown of their own, which aborts the very requests the
 worker is draining. This module keeps them out of it.
 
-Two sides, each a few functions:
+- **owner** (the worker's main process), :class:`SignalOwnership`: :meth:`~SignalOwnership.
+  claim` before the engine starts (a private directory, named with the owner's pid in
+  :data:`OWNER_ENV`, which every engine process inherits); :meth:`~SignalOwnership.
+  permit_shutdown` right before the worker tells the engine to stop (the engine's own
+  handlers run again, so its normal shutdown works); :meth:`~SignalOwnership.report`
+  (below); :func:`kill_descendants` for the forced exit (a second signal).
+- **engine processes**: :func:`guard_process`, called by an adapter's plugin in each
+  engine process, wraps the SIGTERM and SIGINT handlers: until the owner permits the
+  shutdown, a signal is logged and ignored; once permitted, or once the owner is gone
+  (nobody would ever permit it), the engine's own handler runs. A signal costs one
+  ``stat`` and one ``kill(pid, 0)``; nothing runs per request. Handlers the engine
+  installs *later* (vLLM 0.31's EngineCore; SGLang's hf3fs HiCache backend) are wrapped
+  as they are installed: in a guarded process ``signal.signal`` wraps what it installs
+  for a guarded signal, and returns the unwrapped previous handler (save-and-restore code
+  works unchanged). Not wrapped, so reported unprotected: an asyncio loop's handler
+  (the loop acts through its wakeup fd, which no wrapper holds back), and whatever
+  bypasses ``signal.signal`` (``_signal.signal``, a native ``signal()``/``sigaction()``).
+  Without :data:`OWNER_ENV` (an engine outside a quiesce worker) nothing changes.
 
-- **owner** (the worker's main process), :class:`SignalOwnership`:
-
-  * :meth:`~SignalOwnership.claim`, before the engine starts: makes a private
-    directory and names it, with the owner's pid, in :data:`OWNER_ENV`, which every
-    engine process inherits;
-  * :meth:`~SignalOwnership.permit_shutdown`, right before the worker tells the engine
-    to stop (its drain is over): from then on the engine's own handlers run again, so
-    the engine's normal shutdown, which signals its processes, works as designed;
-  * :meth:`~SignalOwnership.report`: which of the worker's processes are protected,
-    read from ``/proc`` (costs one directory scan; call it at start-up and at the
-    signal, not per request);
-  * :func:`kill_descendants`: the forced exit (a second signal) takes the engine's
-    processes with it, since they no longer die of the signals themselves.
-
-- **engine processes**, :func:`guard_process`, called by an adapter's hook inside each
-  engine process *after* the engine installed its own handlers (vLLM: quiesce's
-  ``vllm.general_plugins`` entry point). It wraps the current SIGTERM and SIGINT
-  handlers: while the owner has not permitted the shutdown, a signal is logged and
-  ignored; once permitted, or once the owner is gone (its directory or its process
-  no longer exists, so nobody would ever permit it), the engine's own handler runs.
-  Each signal costs one ``stat`` and one ``kill(pid, 0)``; nothing runs otherwise.
-  It writes a marker (``<pid>``, holding the process name) into the directory, which
-  is how :meth:`SignalOwnership.report` knows the process is guarded.
-
-Without :data:`OWNER_ENV` (an engine started outside a quiesce worker)
-:func:`guard_process` does nothing: the engine behaves as it always did.
-
-A process counts as protected when it is guarded, or when the kernel says it ignores
-both signals (``SigIgn`` in ``/proc/<pid>/status``; Python's multiprocessing resource
-tracker does). Anything else is reported unprotected by pid and name, never silently.
-Linux only: elsewhere the report says it cannot tell.
+**The report is checked when it is read.** Each guarded process keeps a JSON marker
+(``<pid>``: name, guarded now or not, what it wraps or what replaced the guard) in the
+owner's directory, rewritten when ``signal.signal`` changes a guarded signal and by a
+watcher thread that compares, every :data:`WATCH_INTERVAL_S` (about 10 µs each time),
+``signal.getsignal`` and the kernel's handler (``sigaction``, against Python's C handler
+it saw when guarding) with what it guarded. At read time :meth:`SignalOwnership.report`
+also reads ``SigCgt``/``SigIgn`` in ``/proc/<pid>/status``: a guarded process whose
+disposition went back to the default action is unprotected at once. A process is
+protected when its marker says guarded and the kernel agrees, or when it ignores both
+signals (Python's resource tracker); anything else (guard replaced, and by what; marker
+unreadable; no marker) is reported unprotected by pid and name. :func:`warn_owner` adds
+a warning that leaves ``protected`` alone. Linux only: elsewhere the report cannot tell.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -54,110 +53,25 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
-from typing import Any
+
+from quiesce.signal_engine import (
+    DIRECTORY_PREFIX,
+    GUARDED_SIGNALS,
+    OWNER_ENV,
+    PERMIT,
+    WARNING_PREFIX,
+    WATCH_INTERVAL_S,
+    Handler,
+    guard_process,
+    warn_owner,
+)
+
+__all__ = ["DIRECTORY_PREFIX", "GUARDED_SIGNALS", "OWNER_ENV", "PERMIT", "WARNING_PREFIX",
+           "WATCH_INTERVAL_S", "GuardReport", "Handler", "ProcessGuard", "SignalOwnership",
+           "descendants", "guard_process", "kill_descendants", "warn_owner"]
 
 log = logging.getLogger("quiesce.signal_guard")
-
-OWNER_ENV = "QUIESCE_SIGNAL_OWNER"
-"""``<owner pid>:<directory>``, set by the owner for the engine processes it starts."""
-PERMIT = "permit"
-DIRECTORY_PREFIX = "quiesce-signals-"
-"""The owner's directory is ``<prefix><owner pid>-<random>`` in /dev/shm (else the temp dir)."""
-GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PROC = Path("/proc")
-
-Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
-
-
-# -- engine processes -----------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Owner:
-    pid: int
-    directory: Path
-
-    @classmethod
-    def from_env(cls) -> _Owner | None:
-        value = os.environ.get(OWNER_ENV, "")
-        pid, sep, directory = value.partition(":")
-        if not sep or not pid.isdigit() or not directory:
-            return None
-        return cls(int(pid), Path(directory))
-
-    def permits(self) -> bool:
-        """True once the owner permitted the shutdown, or is gone (nobody else would)."""
-        if (self.directory / PERMIT).exists() or not self.directory.is_dir():
-            return True
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-
-
-def guard_process(name: str) -> bool:
-    """Wrap this process's SIGTERM/SIGINT handlers so that they run only with the owner's
-    permit (see the module docstring). Returns whether the process is now guarded.
-
-    Call it in an engine process after the engine installed its handlers, from the main
-    thread. Idempotent. Does nothing (returns False) without :data:`OWNER_ENV`, in the
-    owner itself, or off the main thread (the process is then reported unprotected).
-    """
-    owner = _Owner.from_env()
-    if owner is None or owner.pid == os.getpid():
-        return False
-    try:
-        for sig in GUARDED_SIGNALS:
-            current = signal.getsignal(sig)
-            if not isinstance(current, _GuardedHandler):
-                signal.signal(sig, _GuardedHandler(sig, current, owner, name))
-    except ValueError as exc:  # not the main thread
-        log.warning("quiesce: cannot guard %s (pid %d) against signals: %s", name,
-                    os.getpid(), exc)
-        return False
-    wrapped = signal.getsignal(signal.SIGTERM)
-    previous = wrapped.previous if isinstance(wrapped, _GuardedHandler) else wrapped
-    with contextlib.suppress(OSError):  # the owner is gone: nothing to report to
-        (owner.directory / str(os.getpid())).write_text(f"{name}\n{_handler_name(previous)}")
-    return True
-
-
-def _handler_name(handler: Handler) -> str:
-    """What a handler is, for the report: the engine's function, or the default action."""
-    if isinstance(handler, signal.Handlers):
-        return handler.name
-    return str(getattr(handler, "__qualname__", None) or handler)
-
-
-class _GuardedHandler:
-    """A signal handler that defers to ``previous`` only with the owner's permit."""
-
-    def __init__(self, sig: signal.Signals, previous: Handler, owner: _Owner,
-                 name: str) -> None:
-        self.sig = sig
-        self.previous = previous
-        self.owner = owner
-        self.name = name
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        if not self.owner.permits():
-            # os.write, not logging: a handler may interrupt a write to the same stream
-            with contextlib.suppress(OSError):
-                os.write(2, f"quiesce: {self.name} (pid {os.getpid()}) ignores "
-                            f"{self.sig.name}: worker pid {self.owner.pid} owns the shutdown "
-                            f"and drains first\n".encode())
-            return
-        previous = self.previous
-        if callable(previous):
-            previous(signum, frame)
-        elif previous in (signal.SIG_DFL, None):  # the default action: die of the signal
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-        # SIG_IGN: ignored before, ignored now
 
 
 # -- the owner ------------------------------------------------------------------------
@@ -172,7 +86,8 @@ class ProcessGuard:
     protected: bool
     how: str
     """``guarded (wraps <the engine's handler>)`` by :func:`guard_process`, ``ignores
-    signals`` (by itself), or why it is not protected."""
+    signals`` (by itself), or why it is not protected (``guard lost: <what replaced
+    it>``, ``runs its own handler``, ``dies of the signal``, ...)."""
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -185,6 +100,8 @@ class GuardReport:
     processes: tuple[ProcessGuard, ...]
     error: str | None = None
     """Why the processes could not be listed (not Linux, /proc unreadable); None if they were."""
+    warnings: tuple[str, ...] = ()
+    """From :func:`warn_owner`: what else may end the worker; ``protected`` ignores them."""
 
     @property
     def protected(self) -> bool | None:
@@ -198,18 +115,20 @@ class GuardReport:
         return tuple(p for p in self.processes if not p.protected)
 
     def summary(self) -> str:
+        warned = "".join(f"; WARNING: {text}" for text in self.warnings)
         if self.error is not None:
-            return f"cannot tell whether engine processes are protected: {self.error}"
+            return f"cannot tell whether engine processes are protected: {self.error}{warned}"
         if not self.processes:
-            return "no engine processes"
+            return f"no engine processes{warned}"
         if self.protected:
-            return f"all {len(self.processes)} engine process(es) protected"
+            return f"all {len(self.processes)} engine process(es) protected{warned}"
         names = ", ".join(f"{p.name} (pid {p.pid}: {p.how})" for p in self.unprotected)
         return (f"{len(self.unprotected)} of {len(self.processes)} engine process(es) would "
-                f"run a shutdown of their own on SIGTERM/SIGINT: {names}")
+                f"run a shutdown of their own on SIGTERM/SIGINT: {names}{warned}")
 
     def to_dict(self) -> dict[str, object]:
         return {"protected": self.protected, "summary": self.summary(), "error": self.error,
+                "warnings": list(self.warnings),
                 "processes": [p.to_dict() for p in self.processes]}
 
 
@@ -250,22 +169,27 @@ class SignalOwnership:
             children = descendants(os.getpid())
         except OSError as exc:
             return GuardReport((), f"{type(exc).__name__}: {exc}")
-        guarded = self._guarded()
-        report = GuardReport(tuple(_classify(pid, guarded) for pid in children))
+        markers, warnings = self._markers()
+        report = GuardReport(tuple(_classify(pid, markers) for pid in children),
+                             warnings=warnings)
         self._cached = (now, report)
         return report
 
-    def _guarded(self) -> dict[int, str]:
-        """pid → the handler each guarded process wraps (from its marker)."""
-        found: dict[int, str] = {}
+    def _markers(self) -> tuple[dict[int, tuple[bool, str]], tuple[str, ...]]:
+        """pid → ``(guarded, how)`` from each marker (one that cannot be read: not
+        guarded, and why), and the warnings."""
+        found: dict[int, tuple[bool, str]] = {}
+        warnings: list[str] = []
         if self.directory is None:
-            return found
+            return found, ()
         with contextlib.suppress(OSError):
-            for marker in self.directory.iterdir():
-                if marker.name.isdigit():
-                    _, _, wraps = marker.read_text().partition("\n")
-                    found[int(marker.name)] = wraps or "?"
-        return found
+            for path in sorted(self.directory.iterdir()):
+                if path.name.startswith(WARNING_PREFIX):
+                    with contextlib.suppress(OSError):
+                        warnings.append(path.read_text().strip())
+                elif path.name.isdigit():
+                    found[int(path.name)] = _read_marker(path)
+        return found, tuple(warnings)
 
     def release(self) -> None:
         """Remove the directory (at exit). Engine processes still alive then are free
@@ -293,12 +217,40 @@ def _remove_stale_directories(base: Path) -> None:
                 continue
 
 
-def _classify(pid: int, guarded: dict[int, str]) -> ProcessGuard:
+def _read_marker(path: Path) -> tuple[bool, str]:
+    try:
+        marker = json.loads(path.read_text())
+        guarded, how = marker["guarded"], marker["how"]
+        if isinstance(guarded, bool) and isinstance(how, str):
+            return guarded, how
+        problem = f"malformed guard marker {marker!r}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        problem = f"unreadable guard marker ({type(exc).__name__}: {exc})"
+    return False, problem
+
+
+def _classify(pid: int, markers: dict[int, tuple[bool, str]]) -> ProcessGuard:
+    """What a signal would do to ``pid`` now: its marker, checked against the kernel's
+    dispositions (``/proc/<pid>/status``)."""
     name = _read(pid, "comm").strip() or "?"
-    if pid in guarded:
-        return ProcessGuard(pid, name, True, f"guarded (wraps {guarded[pid]})")
     if _ignores_signals(pid):
         return ProcessGuard(pid, name, True, "ignores signals")
+    marker = markers.get(pid)
+    if marker is not None:
+        guarded, how = marker
+        if not guarded:
+            return ProcessGuard(pid, name, False, how)
+        caught, ignored = _signal_mask(pid, "SigCgt"), _signal_mask(pid, "SigIgn")
+        if caught is None or ignored is None:
+            return ProcessGuard(pid, name, False, f"{how}, but its signal dispositions "
+                                "cannot be read (/proc/<pid>/status)")
+        lost = [sig.name for sig in GUARDED_SIGNALS
+                if not (caught | ignored) >> (sig - 1) & 1]
+        if lost:
+            return ProcessGuard(pid, name, False, f"guard lost: {', '.join(lost)} back to "
+                                "the default action below Python (the kernel no longer "
+                                "calls a handler)")
+        return ProcessGuard(pid, name, True, how)
     caught = _signal_mask(pid, "SigCgt")
     how = ("runs its own handler" if caught is not None and caught >> (signal.SIGTERM - 1) & 1
            else "dies of the signal")

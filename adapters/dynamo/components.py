@@ -38,14 +38,18 @@ import asyncio
 import functools
 import importlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 from quiesce.admission import AdmissionGate
+from quiesce.budget import Deadline
+from quiesce.discovery import DiscoveryUnavailable, describe_failure
 from quiesce.errors import ConfigError, WorkerDraining
 from quiesce.probe import PendingWork, Probe, QuiescenceProbe, Role
 
+from .discovery import DynamoDiscovery
 from .gated import finish_outcome, gated
 
 log = logging.getLogger("quiesce.adapters.dynamo.components")
@@ -115,6 +119,9 @@ class VllmComponent:
         self.engine: Any = None
         self.serving = False
         """The model is registered and the endpoints are (about to be) served."""
+        self.model: ModelRegistration | None = None
+        """The model card Dynamo registered for this worker (once it did)."""
+        self._unregister_model: Callable[[Any], Awaitable[None]] | None = None
         self._callbacks: dict[str, Callable[[], Awaitable[object]] | None] = {}
         self._probe = _EngineProbe()
         self._main: ModuleType | None = None
@@ -145,6 +152,10 @@ class VllmComponent:
         missing = [name for name in MAIN_NAMES if not callable(getattr(main, name, None))]
         missing += [f"handlers.{name}.generate" for name in HANDLER_CLASSES
                     if not callable(getattr(getattr(handlers, name, None), "generate", None))]
+        llm = importlib.import_module("dynamo.llm")
+        self._unregister_model = getattr(llm, "unregister_model", None)
+        if self._unregister_model is None:
+            missing.append("dynamo.llm.unregister_model")
         unavailable = getattr(errors, "WorkerUnavailable", None)
         if unavailable is None:
             missing.append("dynamo.llm.exceptions.WorkerUnavailable")
@@ -216,6 +227,9 @@ class VllmComponent:
         @functools.wraps(register)
         async def register_vllm_model(*args: Any, **kwargs: Any) -> None:
             await register(*args, **kwargs)
+            endpoint = args[2] if len(args) > 2 else kwargs.get("generate_endpoint")
+            self.model = ModelRegistration(functools.partial(register, *args, **kwargs),
+                                           endpoint, self._unregister_model)
             self.serving = self._probe.served = True
             if self.on_ready is not None:
                 await self.on_ready()
@@ -232,6 +246,85 @@ class VllmComponent:
             await asyncio.wait_for(callback(), timeout_s)
         except Exception as exc:  # includes the timeout
             log.warning("Dynamo's %s callback failed: %r", name, exc)
+
+
+class ModelRegistration:
+    """The model card Dynamo's worker registered (``register_vllm_model``), which is what
+    Dynamo's frontend routes by: while it stays registered the frontend keeps picking the
+    worker, endpoint instance unregistered or not (seen with 1.6.1: picked 5 s after the
+    instances were unregistered, until the process exited). ``unregister`` removes it
+    (``dynamo.llm.unregister_model``); ``register`` runs Dynamo's own registration again
+    with the arguments it was first called with."""
+
+    def __init__(self, register: Callable[[], Awaitable[None]], endpoint: Any,
+                 unregister: Callable[[Any], Awaitable[None]] | None) -> None:
+        self._register = register
+        self._unregister = unregister
+        self.endpoint = endpoint
+
+    async def unregister(self) -> None:
+        if self._unregister is None or self.endpoint is None:
+            raise RuntimeError("Dynamo's model registration cannot be undone here")
+        await self._unregister(self.endpoint)
+
+    async def register(self) -> None:
+        await self._register()
+
+
+class ComponentDiscovery:
+    """:class:`~quiesce.discovery.Discovery` of a Dynamo worker component: its model card
+    and its endpoint instances (:class:`~.discovery.DynamoDiscovery`), unregistered in that
+    order (the frontend stops routing by the card) and registered in the reverse.
+
+    Before the worker registered its model there is no card: only the instances count.
+    A failure leaves the state unknown (``registered`` stays True), with the reason.
+    """
+
+    def __init__(self, component: VllmComponent, instances: DynamoDiscovery,
+                 rpc_timeout_s: float = 5.0) -> None:
+        self.component = component
+        self.instances = instances
+        self._rpc_timeout_s = rpc_timeout_s
+        self._error: str | None = None
+
+    @property
+    def registered(self) -> bool:
+        return self._error is not None or self.instances.registered
+
+    @property
+    def registration_error(self) -> str | None:
+        return self._error or self.instances.registration_error
+
+    def served(self) -> None:
+        self._error = None
+        self.instances.served()
+
+    async def _bounded(self, what: str, call: Callable[[], Awaitable[None]],
+                       deadline: Deadline | None) -> None:
+        timeout = self._rpc_timeout_s if deadline is None else min(
+            self._rpc_timeout_s, max(deadline.remaining(), 0.001))
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(call(), timeout)
+        except (Exception, asyncio.CancelledError) as exc:
+            self._error = f"{what}: {describe_failure(exc)}"
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise DiscoveryUnavailable("dynamo", what, 1, time.monotonic() - started,
+                                       self._error) from exc
+        self._error = None
+
+    async def unregister(self, deadline: Deadline | None = None) -> None:
+        model = self.component.model
+        if model is not None and self.instances.registered:
+            await self._bounded("unregister the model", model.unregister, deadline)
+        await self.instances.unregister(deadline)
+
+    async def register(self, deadline: Deadline | None = None) -> None:
+        await self.instances.register(deadline)
+        model = self.component.model
+        if model is not None:
+            await self._bounded("register the model", model.register, deadline)
 
 
 class VllmComponentControl:

@@ -19,9 +19,13 @@ What :func:`register` does, per process:
   SIGINT raises ``KeyboardInterrupt`` in the event loop (the process exits through its
   ``finally``). Either would end every request that process holds while the worker
   drains; guarded, the signal is logged and ignored until the worker permits the
-  shutdown. Handlers SGLang installs later only over a default handler (the unified
-  memory pool's stats dump) then leave the guard in place; the remote-weight connector
-  chains to it.
+  shutdown. Handlers SGLang installs later through ``signal.signal`` are guarded as they
+  are installed (the hf3fs HiCache backend's, :mod:`.signals`); those installed only
+  over a default handler (the unified memory pool's stats dump) leave the guard in
+  place; the remote-weight connector chains to it. The signal-guard report says, at
+  read time, whether each process's handler is still the guard.
+- **every process**: :func:`.signals.warn_killpg` warns (once, in the worker) when
+  ``SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION`` is on.
 - **every process**: registers an AFTER hook on
   ``sglang.srt.managers.scheduler.Scheduler.get_internal_state`` that adds
   ``internal_state["quiesce"]`` (:mod:`.scheduler_state`). Only scheduler processes ever
@@ -41,6 +45,7 @@ from typing import Any
 from quiesce.signal_guard import guard_process
 
 from .scheduler_state import add_state_to_internal_state
+from .signals import warn_killpg
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 PLUGIN_NAME = "quiesce"
@@ -76,6 +81,8 @@ def register_hook(registry: Any = None, hook_type: Any = None) -> bool:
 
 
 def register() -> None:
-    """Entry point of ``sglang.srt.plugins``: guard this process, register the hook."""
+    """Entry point of ``sglang.srt.plugins``: guard this process, warn about a setting
+    that ends the worker, register the hook."""
     guard_process(f"sglang {multiprocessing.current_process().name}")
+    warn_killpg()
     register_hook()

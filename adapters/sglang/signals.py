@@ -27,6 +27,24 @@ What each SGLang process does on a signal by itself, and what the adapter change
   every request mid-drain. The adapter: quiesce's plugin (:mod:`.plugin`), loaded by
   SGLang first thing in each of them, calls :func:`quiesce.signal_guard.guard_process`,
   which ignores both signals until the worker permits the shutdown.
+- handlers SGLang installs *later* in a guarded process go through ``signal.signal``
+  and are guarded as they are installed (:func:`quiesce.signal_guard.guard_process`):
+  the hf3fs HiCache backend (``HiCacheHF3FS.__init__``, checked on 0.5.23) installs, in
+  the scheduler, SIGINT/SIGTERM/SIGQUIT handlers that close its storage clients and
+  return — the scheduler would go on serving with its KV storage closed. Its SIGTERM and
+  SIGINT handlers now run only with the worker's permit; its SIGQUIT handler is SGLang's
+  failure path (not guarded, as above). Whatever replaces the guard past
+  ``signal.signal`` is reported unprotected by the guard's watcher, with what replaced it.
+- ``SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION`` (off by default): on a scheduler exception,
+  that scheduler SIGKILLs its whole process group — the worker and anything else in its
+  group (a launcher, a sidecar, PID 1 of a container run without an init) — besides the
+  SIGQUIT that already ends the engine. quiesce *warns* (:func:`warn_killpg`: an ERROR
+  log in the worker when SGLang loads its plugins, before any scheduler starts, and a
+  warning in the signal-guard report of the ``ready`` event and ``GET /engine/status``)
+  rather than refusing: it acts only once a scheduler has failed, when every request
+  the engine held is lost whatever the worker does, and operators set it on purpose
+  (multi-rank jobs flood their logs without it). The warning says what it costs: the
+  worker dies without its exit report and without unregistering from discovery.
 - ``Engine.shutdown()`` runs only from :meth:`.control.SglangEngineControl.shutdown`,
   after the drain (or the forced path's ``abort_all``); its SIGKILLs cannot be guarded
   and need not be.
@@ -39,10 +57,37 @@ code (or a backend that owns SIGTERM itself).
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
+from quiesce.signal_guard import OWNER_ENV, warn_owner
+
 log = logging.getLogger("quiesce.adapters.sglang.signals")
+
+KILLPG_ENV = "SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION"
+_TRUE = ("true", "1", "yes", "y")
+"""What SGLang's ``EnvBool`` reads as true (0.5.23)."""
+
+
+def warn_killpg(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Warn (module docstring) if :data:`KILLPG_ENV` is on in a quiesce worker's engine:
+    an ERROR log in the worker's own process, and a warning in its signal-guard report.
+    Returns the warning, or None when the variable is off or no worker owns the signals.
+    """
+    value = environ.get(KILLPG_ENV, "")
+    owner = environ.get(OWNER_ENV, "")
+    if value.strip().lower() not in _TRUE or not owner:
+        return None
+    text = (f"{KILLPG_ENV}={value}: a scheduler exception makes SGLang SIGKILL its whole "
+            f"process group, the quiesce worker (pid {owner.partition(':')[0]}) included: "
+            "the worker then exits without its exit report and without unregistering from "
+            "discovery; unset it to keep them")
+    warn_owner("sglang-killpg", text)
+    if owner.partition(":")[0] == str(os.getpid()):  # once, in the worker itself
+        log.error("quiesce: %s", text)
+    return text
 
 
 def _deferring_handler_class(base: type) -> type:

@@ -110,7 +110,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from quiesce.signal_guard import guard_process
+from quiesce.signal_guard import OWNER_ENV, guard_process
 
 from .board import NO_ETA, BoardFlags, BoardWriter, Counts, Eta, EtaFlags, eta_ms
 from .exit import install_engine_exit
@@ -589,17 +589,73 @@ def quiesce_subscribe(engine_core: Any, directory: str, fifo_name: str) -> dict[
     return {"board": name, "pid": os.getpid(), "dp_rank": rank}
 
 
+COORDINATOR_NAME = "DPCoordinator"
+
+
+def run_coordinator_guarded(*args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``DPCoordinatorProc.run_coordinator``, guarded first (see :func:`register`).
+
+    Module-level so that a spawned coordinator unpickles it by name (and finds vLLM's
+    own function on the class, since nothing replaced it there); a forked one finds the
+    original where :func:`guard_coordinator` kept it."""
+    from vllm.v1.engine.coordinator import DPCoordinatorProc  # noqa: PLC0415
+
+    guard_process(COORDINATOR_NAME)
+    original = getattr(DPCoordinatorProc, _ORIGINAL_COORDINATOR, None)
+    run = original if original is not None else DPCoordinatorProc.run_coordinator
+    if run is run_coordinator_guarded:  # never: the original is kept where it is replaced
+        raise RuntimeError("DPCoordinatorProc.run_coordinator is quiesce's own wrapper")
+    return run(*args, **kwargs)
+
+
+_ORIGINAL_COORDINATOR = "_quiesce_original_run_coordinator"
+
+
+def guard_coordinator() -> bool:
+    """In a quiesce worker's frontend, make vLLM's DP coordinator process (data parallel)
+    guard itself first thing: it loads no plugins, so nothing else would. Returns whether
+    it is (or already was) set up; False outside a quiesce worker or without DP support.
+
+    Unguarded, SIGTERM kills the coordinator and SIGINT ends it (``KeyboardInterrupt``);
+    it then neither publishes the engines' load to the frontend nor starts their request
+    waves (a MoE model's DP ranks step in lock step and wait for it). That this cannot
+    lose a request was not established, so it is guarded rather than trusted; once the
+    worker permits the shutdown, vLLM's own SIGTERM ends it as before.
+    """
+    if not os.environ.get(OWNER_ENV):
+        return False
+    try:
+        from vllm.v1.engine.coordinator import DPCoordinatorProc  # noqa: PLC0415
+    except ImportError:
+        return False
+    current = DPCoordinatorProc.__dict__.get("run_coordinator")
+    function = getattr(current, "__func__", None)
+    if function is run_coordinator_guarded:
+        return True
+    if function is None:  # not the staticmethod this was checked on (0.31, 0.32)
+        return False
+    setattr(DPCoordinatorProc, _ORIGINAL_COORDINATOR, function)
+    DPCoordinatorProc.run_coordinator = staticmethod(run_coordinator_guarded)
+    return True
+
+
 def register() -> None:
     """Entry point of ``vllm.general_plugins``: guard this process's signal handlers and
     attach the utilities to EngineCore.
 
-    vLLM loads general plugins in EngineCore's and each model runner's constructor,
-    after ``run_engine_core`` and ``WorkerProc.worker_main`` installed their SIGTERM/SIGINT
-    handlers (checked on 0.32), so :func:`quiesce.signal_guard.guard_process` wraps
-    vLLM's own handlers there; in a process not started by a quiesce worker it does
-    nothing. Idempotent, and harmless in processes that never run an EngineCore.
+    vLLM loads general plugins in every process it starts: the frontend (process 0),
+    EngineCore's constructor and each model runner's. :func:`quiesce.signal_guard.
+    guard_process` guards whatever SIGTERM/SIGINT handler the process has then *and*
+    those installed later: on 0.32, ``run_engine_core`` and ``WorkerProc.worker_main``
+    install vLLM's handlers before the plugins load; on 0.31, ``run_engine_core``
+    installs EngineCore's after (when the constructor returns): either way EngineCore's
+    handler runs only with the worker's permit. In the frontend (the worker itself)
+    nothing is guarded; :func:`guard_coordinator` makes the DP coordinator guard itself.
+    In a process not started by a quiesce worker nothing changes. Idempotent, and
+    harmless in processes that never run an EngineCore.
     """
     guard_process(multiprocessing.current_process().name)
+    guard_coordinator()
     try:
         from vllm.v1.engine.core import EngineCore  # noqa: PLC0415 (vLLM is optional)
     except ImportError:  # a vLLM without the V1 engine: the probe falls back and says so

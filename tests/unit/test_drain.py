@@ -17,6 +17,7 @@ from quiesce.drain import (
     StageReport,
     wait_admitted_zero,
     wait_quiescent,
+    wait_router_quiet,
 )
 from tests.unit.test_probe import FakeProbe
 
@@ -127,3 +128,39 @@ def test_drain_report_outcome_and_dict() -> None:
     assert data["outcome"] == "timed_out"
     assert data["stages"][1]["detail"] == "2 admitted"  # type: ignore[index]
     assert DrainReport(3, stages[:1], 0.1, drained=True).outcome is StageOutcome.COMPLETED
+
+
+async def test_router_quiet_keeps_the_gate_open_while_requests_keep_coming() -> None:
+    """A router that has not seen the unregister still sends: the quiet period ends only
+    once the requests stopped (an ordering, not a timing, assertion)."""
+    gate = AdmissionGate()
+
+    async def router_still_sending() -> None:
+        for _ in range(10):
+            gate.admit().finish(Outcome.COMPLETED)
+            await asyncio.sleep(0.02)
+
+    sender = asyncio.create_task(router_still_sending())
+    await asyncio.sleep(0)
+    await wait_router_quiet(gate, 0.2, Deadline.after(30.0))
+    assert sender.done() and gate.admitted_total == 10
+    assert gate.accepting  # it only waits: closing is the drain's next step
+
+
+async def test_router_quiet_is_bounded_by_the_deadline_and_off_at_zero() -> None:
+    gate = AdmissionGate()
+    stop = asyncio.Event()
+
+    async def never_quiet() -> None:
+        while not stop.is_set():
+            gate.admit().finish(Outcome.COMPLETED)
+            await asyncio.sleep(0.01)
+
+    sender = asyncio.create_task(never_quiet())
+    try:
+        await wait_router_quiet(gate, 10.0, Deadline.after(0.2))
+        assert not sender.done()  # the deadline ended the wait, not a quiet gap
+    finally:
+        stop.set()
+        await sender
+    assert await wait_router_quiet(gate, 0.0, Deadline.after(30.0)) == 0.0

@@ -61,11 +61,11 @@ def _namespace(**changes: Any) -> argparse.Namespace:
 
 
 def test_the_router_grace_defaults_to_dynamos_own_grace_period() -> None:
-    """Dynamo's frontends keep sending for a while after the unregister (1.6 s seen with
-    the file backend): by default quiesce keeps admitting as long as Dynamo's helper
-    waits, from the same variable, then drains instead of aborting."""
+    """By default quiesce keeps admitting 1 s after the unregister, then until 2 s pass
+    without a request; Dynamo's own variable sets the first part, as it sets its helper's
+    sleep (after which quiesce drains instead of aborting)."""
     _, drain = dynamo_policy(_namespace(router_grace=None), environ={})
-    assert drain.router_grace_s == 5.0
+    assert drain.router_grace_s == 1.0 and drain.router_quiet_s == 2.0
     _, drain = dynamo_policy(_namespace(router_grace=None),
                              environ={"DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "2.5"})
     assert drain.router_grace_s == 2.5
@@ -85,7 +85,7 @@ def test_the_policy_keeps_a_fifth_of_the_budget_for_dynamos_teardown() -> None:
 
 @pytest.mark.parametrize("changes,field", [
     ({"budget": 0.0}, "total_s"), ({"budget": 10.0, "reserve": 10.0}, "cleanup_reserve_s"),
-    ({"router_grace": -1.0}, "router_grace_s"),
+    ({"router_grace": -1.0}, "router_grace_s"), ({"router_quiet": -1.0}, "router_quiet_s"),
 ])
 def test_bad_settings_are_a_config_error_naming_the_field(changes: dict[str, Any],
                                                           field: str) -> None:

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 MECHANISMS = {"errors", "budget", "probe", "admission", "drain", "discovery", "engine",
-              "registry", "signal_guard", "generation", "drain_cost",
+              "registry", "signal_guard", "signal_engine", "generation", "drain_cost",
               "eta"}
 LIFECYCLE = {"lifecycle", "lifecycle_state", "shutdown"}
 FACES = {"cli", "demo", "__main__", "__init__", "metrics", "server", "worker", "admin_client",

@@ -152,3 +152,58 @@ def test_plugin_snapshot_reports_drift_instead_of_raising() -> None:
     answer = quiesce_snapshot(types.SimpleNamespace())
     assert "error" in answer
     register()  # without vLLM installed: a no-op, never an error
+
+
+class FakeClient031:
+    """vLLM 0.31's ``DPLBAsyncMPClient`` shape: no ``call_utility_all_async``; its
+    ``call_utility_async`` asks every engine but answers for the first only; the
+    per-engine ``_call_utility_async(method, *args, engine=...)`` and ``core_engines``."""
+
+    def __init__(self, answers: dict[bytes, dict[str, Any]]) -> None:
+        self.answers = answers
+        self.core_engines = list(answers)
+        self.calls: list[tuple[str, bytes]] = []
+
+    async def _call_utility_async(self, method: str, *args: Any, engine: bytes) -> Any:
+        self.calls.append((method, engine))
+        answer = self.answers[engine].get(method)
+        if answer is None:
+            raise Exception(f"'EngineCoreProc' object has no attribute '{method}'")
+        return answer
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        answers = [await self._call_utility_async(method, *args, engine=e)
+                   for e in self.core_engines]
+        return answers[0]
+
+
+async def test_without_call_utility_all_every_dp_engine_is_asked() -> None:
+    """0.31: KV held on the second engine only; engine 0 alone would say idle."""
+    client = FakeClient031({b"\x00\x00": {"quiesce_snapshot": snapshot()},
+                            b"\x01\x00": {"quiesce_snapshot": snapshot(kv_sends_held=1)}})
+    probe = VllmProbe(fake_engine(client, dp=2), Role.PREFILL, board=False)
+    work = await probe.pending_work()
+    assert work.verdict is Verdict.BUSY, work.summary()
+    assert work.kv_sends_held == 1
+    assert work.details["vllm.engine_core.dp_engines"] == 2
+    assert sorted(engine for _, engine in client.calls) == [b"\x00\x00", b"\x01\x00"]
+    assert (await client.call_utility_async("quiesce_snapshot"))["kv_sends_held"] == 0
+
+
+async def test_without_call_utility_all_a_short_engine_list_stays_unknown() -> None:
+    client = FakeClient031({b"\x00\x00": {"quiesce_snapshot": snapshot()}})
+    work = await VllmProbe(fake_engine(client, dp=2), Role.PREFILL,
+                           board=False).pending_work()
+    assert work.verdict is Verdict.UNKNOWN
+    assert any("1 of 2 DP engines" in r for r in work.reasons), work.reasons
+
+
+async def test_a_dp_client_that_cannot_fan_out_is_unknown() -> None:
+    class Client:
+        async def call_utility_async(self, method: str, *args: Any) -> Any:
+            return snapshot()
+
+    work = await VllmProbe(fake_engine(Client(), dp=2), Role.PREFILL,
+                           board=False).pending_work()
+    assert work.verdict is Verdict.UNKNOWN
+    assert any("cannot call a utility on every DP engine" in r for r in work.reasons)

@@ -14,6 +14,10 @@ event; the worker reports ``drained`` with zero lost requests and exits 0 within
 budget, printing no traceback and no leaked-resource warning. Processes are listed
 with psutil, independently of the worker's own /proc reader.
 
+The report is checked too: EngineCore's entry must say that vLLM's own handler is what
+the guard wraps (vLLM 0.31 installs it after quiesce's plugin ran; 0.32 before), at
+start and when read again from ``GET /engine/status``.
+
 The forced case: EngineCore is SIGKILLed mid-drain; status and the exit report must
 count every lost stream and never say drained.
 
@@ -194,6 +198,14 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
         assert isinstance(guard, dict) and guard["protected"] is True, guard
         engine_processes = worker.processes()[1:]
         assert len(engine_processes) >= 2  # EngineCore and its model runner, at least
+        # what is guarded is EngineCore's own handler, whichever vLLM installed it first
+        # (0.31 installs it after quiesce's plugin ran, 0.32 before), and the report
+        # read now (GET /engine/status) agrees with the one at start
+        (core,) = [p for p in engine_processes if p.name() == ENGINE_CORE]
+        for report in (guard, worker.status()["signal_guard"]):
+            assert isinstance(report, dict) and report["protected"] is True, report
+            (entry,) = [p for p in report["processes"] if p["pid"] == core.pid]
+            assert entry["how"].endswith("run_engine_core.<locals>.signal_handler)"), entry
 
         started = [asyncio.Event() for _ in range(STREAMS)]
         streams = [asyncio.create_task(stream(worker, s)) for s in started]
