@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from bench import admission, discovery, drain_lag, victim
+from bench import admission, discovery, drain_lag, truth_matrix, victim
 from bench.replay import result as replay
 from bench.results_format import Result, run_and_report
 
@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[Callable[[], Result], Sequence[str]]] = {
     victim.NAME: (victim.run, victim.HEADLINE),
     discovery.NAME: (discovery.run, discovery.HEADLINE),
     replay.NAME: (replay.run, replay.HEADLINE),
+    truth_matrix.NAME: (truth_matrix.run, truth_matrix.HEADLINE),
 }
 
 

@@ -110,7 +110,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from quiesce.signal_guard import OWNER_ENV, guard_process
+from quiesce.signal_guard import guard_process
 
 from .board import NO_ETA, BoardFlags, BoardWriter, Counts, Eta, EtaFlags, eta_ms
 from .exit import install_engine_exit
@@ -612,9 +612,12 @@ _ORIGINAL_COORDINATOR = "_quiesce_original_run_coordinator"
 
 
 def guard_coordinator() -> bool:
-    """In a quiesce worker's frontend, make vLLM's DP coordinator process (data parallel)
-    guard itself first thing: it loads no plugins, so nothing else would. Returns whether
-    it is (or already was) set up; False outside a quiesce worker or without DP support.
+    """Make vLLM's DP coordinator process (data parallel) guard itself first thing: it
+    loads no plugins, so nothing else would. Returns whether it is (or already was) set
+    up; False without DP support. Set up in every frontend, whether a quiesce worker owns
+    the signals yet or not: the coordinator decides when it starts (``guard_process``
+    does nothing without the owner's variable), so a frontend that loaded the plugins
+    before its worker claimed the signals still gets a guarded coordinator.
 
     Unguarded, SIGTERM kills the coordinator and SIGINT ends it (``KeyboardInterrupt``);
     it then neither publishes the engines' load to the frontend nor starts their request
@@ -622,8 +625,6 @@ def guard_coordinator() -> bool:
     lose a request was not established, so it is guarded rather than trusted; once the
     worker permits the shutdown, vLLM's own SIGTERM ends it as before.
     """
-    if not os.environ.get(OWNER_ENV):
-        return False
     try:
         from vllm.v1.engine.coordinator import DPCoordinatorProc  # noqa: PLC0415
     except ImportError:

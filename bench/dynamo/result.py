@@ -12,8 +12,8 @@ worker scaled down as the kubelet does it (:mod:`.run`):
 
 Not yet run here, and so absent from the metrics (each named in the notes): the
 disaggregated prefill arm (f) and the field report's scale with the reference worker
-registered as a Dynamo backend. A run that did not judge every planned request once is
-void: the benchmark raises instead of writing figures.
+registered as a Dynamo backend. An arm that did not judge every planned request once is
+void: it gets no figures, and the notes say why (every arm void: the benchmark raises).
 """
 
 from __future__ import annotations
@@ -78,16 +78,25 @@ def run(names: Sequence[str] | None = None,
         raise ValueError(f"unknown arm(s) {sorted(unknown)}; one of "
                          f"{[arm.name for arm in ARMS]}")
     runs: dict[str, ArmRun] = {}
+    void: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="quiesce-dynamo-replay-") as tmp:
         model = _tiny_model(Path(tmp) / "model")
         for arm in chosen:
-            runs[arm.name] = asyncio.run(run_arm(arm, config, Path(tmp) / arm.name, model))
-            found = runs[arm.name]
+            try:
+                found = asyncio.run(run_arm(arm, config, Path(tmp) / arm.name, model))
+            except RuntimeError as exc:  # an arm that could not run counts for nothing
+                void[arm.name] = str(exc)
+                print(f"dynamo replay {arm.name}: void: {exc}", file=sys.stderr)
+                continue
             print(f"dynamo replay {arm.name}: {found.failed} of {found.sent} failed, "
                   f"{found.migrated} migrated", file=sys.stderr)
-            if not found.complete:
-                raise RuntimeError(f"dynamo replay {arm.name} is void: {found.sent} of "
-                                   f"{found.planned} requests judged; {found.to_dict()}")
+            if found.complete:
+                runs[arm.name] = found
+            else:
+                void[arm.name] = (f"{found.sent} of {found.planned} requests judged: "
+                                  f"{found.to_dict()}")
+    if not runs:
+        raise RuntimeError(f"every arm of the Dynamo replay is void: {void}")
     metrics = _metrics(runs)
     notes = [
         "A request failed when its HTTP status was not 200, any SSE event carried an "
@@ -107,6 +116,7 @@ def run(names: Sequence[str] | None = None,
         "scale_quiesce_failed): absent from the metrics.",
         "2-core VM shared by every process: timings are upper bounds.",
     ]
+    notes += [f"Void, no figures: {name}: {why[:600]}" for name, why in void.items()]
     return Result(
         name=NAME, metrics=metrics,
         units={key: ("s" if key.endswith("_s") or "_s_" in key
@@ -118,5 +128,6 @@ def run(names: Sequence[str] | None = None,
                     "output_lengths": [config.output_lengths.low,
                                        config.output_lengths.high],
                     "step_s": config.step_s, "seed": config.seed,
-                    "runs": {name: r.to_dict() for name, r in runs.items()}},
+                    "runs": {name: r.to_dict() for name, r in runs.items()},
+                    "void": void},
         notes=notes)

@@ -206,6 +206,10 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
                     await load
         migrated, generated = _migrations(front)
         _keep_logs(workdir, front, workers)
+    if not run.raw_export.is_file():  # aiperf failed or was killed: nothing to judge
+        log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
+        raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
+                           f"{run.timed_out}); its log ends:\n{log_tail}")
     outcomes = aiperf.read_outcomes(run.raw_export)
     summary = aiperf.summarize(outcomes)
     ids = [o.request_id for o in outcomes]

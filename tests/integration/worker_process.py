@@ -72,6 +72,45 @@ class Worker:
         return self.process.returncode, (exits[-1] if exits else None)
 
 
+@contextlib.contextmanager
+def running(command: Sequence[str], env: dict[str, str], ready: str,
+            timeout_s: float = 120.0, name: str = "process") -> Iterator[Worker]:
+    """Start ``command``; wait until a line of its output contains ``ready``; kill its
+    group on the way out. A process that exits or stays silent raises with its output."""
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:  # a thread: a full pipe must never block the process
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if ready in line:
+                seen.set()
+        seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    worker = Worker(process, lines, reader)
+    try:
+        seen.wait(timeout_s)
+        if not any(ready in line for line in lines):
+            raise RuntimeError(f"{name} not ready within {timeout_s}s (exit code "
+                               f"{process.poll()}):\n{tail(lines)}")
+        yield worker
+    finally:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def tail(lines: list[str], count: int = 40) -> str:
+    return "".join(lines[-count:])
+
+
 def worker_env() -> dict[str, str]:
     return {**os.environ, "QUIESCE_ADMIN_TOKEN": TOKEN, "PYTHONUNBUFFERED": "1"}
 

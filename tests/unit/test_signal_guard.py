@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,17 +51,6 @@ if MODE == "grandchild":
 while True:
     time.sleep(0.02)
 """
-
-
-@pytest.fixture
-def owner() -> Iterator[SignalOwnership]:
-    ownership = SignalOwnership()
-    ownership.claim()
-    try:
-        yield ownership
-    finally:
-        ownership.release()
-    assert OWNER_ENV not in os.environ
 
 
 def start_engine(mode: str, guard: bool = True) -> tuple[subprocess.Popen[str], str]:

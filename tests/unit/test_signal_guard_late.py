@@ -80,17 +80,6 @@ while True:
 
 
 @pytest.fixture
-def owner() -> Iterator[SignalOwnership]:
-    ownership = SignalOwnership()
-    ownership.claim()
-    try:
-        yield ownership
-    finally:
-        ownership.release()
-    assert OWNER_ENV not in os.environ
-
-
-@pytest.fixture
 def engine() -> Iterator[Callable[[str], tuple[subprocess.Popen[str], list[str]]]]:
     started: list[subprocess.Popen[str]] = []
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from quiesce.adapters.dynamo import LOOPBACK_ENV
-from tests.integration.worker_process import TOKEN, Worker, json_events
+from tests.integration.worker_process import TOKEN, Worker, json_events, running
 
 REPO = Path(__file__).resolve().parents[3]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -70,45 +67,6 @@ def write_template(directory: Path) -> Path:
     path = directory / "chat.jinja"
     path.write_text(CHAT_TEMPLATE)
     return path
-
-
-@contextlib.contextmanager
-def running(command: Sequence[str], env: dict[str, str], ready: str,
-            timeout_s: float = 120.0, name: str = "process") -> Iterator[Worker]:
-    """Start ``command``; wait until a line of its output contains ``ready``; kill its
-    group on the way out. A process that exits or stays silent raises with its output."""
-    process = subprocess.Popen(list(command), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    lines: list[str] = []
-    seen = threading.Event()
-
-    def read() -> None:  # a thread: a full pipe must never block the process
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            if ready in line:
-                seen.set()
-        seen.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    worker = Worker(process, lines, reader)
-    try:
-        seen.wait(timeout_s)
-        if not any(ready in line for line in lines):
-            raise RuntimeError(f"{name} not ready within {timeout_s}s (exit code "
-                               f"{process.poll()}):\n{tail(lines)}")
-        yield worker
-    finally:
-        if process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-
-
-def tail(lines: list[str], count: int = 40) -> str:
-    return "".join(lines[-count:])
 
 
 @dataclass

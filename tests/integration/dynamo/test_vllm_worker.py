@@ -25,13 +25,17 @@ from tests.integration.dynamo.processes import (
     exit_report,
     free_port,
     quiesce_worker,
-    running,
     shipped_worker,
-    tail,
     vllm_args,
     wait_for_model,
 )
-from tests.integration.worker_process import StreamResult, signal_group, stream_completion
+from tests.integration.worker_process import (
+    StreamResult,
+    running,
+    signal_group,
+    stream_completion,
+    tail,
+)
 
 STREAMS = 3
 TOKENS = 300  # about 6 s at the paced step: past Dynamo's 5 s grace
