@@ -32,7 +32,7 @@ from typing import IO
 
 import pytest
 
-from quiesce.signal_guard import SignalOwnership
+from quiesce.signal_guard import SignalOwnership, descendants
 from tests.integration.sglang import SKIP_REASON
 
 pytest.importorskip("sglang", reason=SKIP_REASON)
@@ -204,7 +204,11 @@ def test_killpg_on_scheduler_exception_is_a_warning_in_the_report(
         (warning,) = report.warnings
         assert warning.startswith("SGLANG_KILLPG_ON_SCHEDULER_EXCEPTION=1: ")
         assert f"pid {os.getpid()}" in warning and "WARNING" in report.summary()
-        assert report.protected is True, report.summary()  # the signals are still guarded
+        # the signals are still guarded (this test's process: another module's engine
+        # may still be a child of this pytest process, started before this owner)
+        mine = {process.pid, *descendants(process.pid)}
+        guards = [p for p in report.processes if p.pid in mine]
+        assert guards and all(p.protected for p in guards), report.summary()
     finally:
         process.kill()
         process.wait(timeout=30)
