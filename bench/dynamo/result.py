@@ -8,12 +8,13 @@ worker scaled down as the kubelet does it (:mod:`.run`):
 - ``quiesce``: ``quiesce dynamo vllm`` workers, ``quiesce prestop`` as the preStop hook;
 - ``quiesce_migration``: quiesce with ``--migration-limit 3``;
 - ``no_target_dynamo_migration`` / ``no_target_quiesce``: one worker only (the last of
-  its model: nowhere to migrate), requests arriving only before it leaves.
+  its model: nowhere to migrate), requests arriving only before it leaves;
+- ``prefill_dynamo_default`` / ``prefill_dynamo_migration`` / ``prefill_quiesce``: a
+  disaggregated pair (prefill and decode ``dynamo.vllm``, KV over NIXL on the CPU), the
+  prefill worker scaled down while its decoder still has KV to pull from it.
 
-Not yet run here, and so absent from the metrics (each named in the notes): the
-disaggregated prefill arm (f) and the field report's scale with the reference worker
-registered as a Dynamo backend. An arm that did not judge every planned request once is
-void: it gets no figures, and the notes say why (every arm void: the benchmark raises).
+An arm that did not judge every planned request once is void: it gets no figures, and
+the notes say why (every arm void: the benchmark raises).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ NAME = "dynamo_replay"
 HEADLINE = ("sent", "dynamo_default_failed", "dynamo_migration_failed",
             "dynamo_migration_recomputed_tokens", "quiesce_failed",
             "quiesce_recomputed_tokens", "no_migration_target_dynamo_failed",
-            "no_migration_target_quiesce_failed")
+            "no_migration_target_quiesce_failed", "prefill_dynamo_failed",
+            "prefill_quiesce_failed")
 ARMS: tuple[Arm, ...] = (
     Arm("dynamo_default", quiesce=False),
     Arm("dynamo_migration", quiesce=False, migration_limit=3),
@@ -39,9 +41,13 @@ ARMS: tuple[Arm, ...] = (
     Arm("quiesce_migration", quiesce=True, migration_limit=3),
     Arm("no_target_dynamo_migration", quiesce=False, migration_limit=3, workers=1),
     Arm("no_target_quiesce", quiesce=True, workers=1),
+    Arm("prefill_dynamo_default", quiesce=False, disaggregated=True),
+    Arm("prefill_dynamo_migration", quiesce=False, migration_limit=3, disaggregated=True),
+    Arm("prefill_quiesce", quiesce=True, disaggregated=True),
 )
 RESULT_NAMES = {"no_target_dynamo_migration": "no_migration_target_dynamo",
-                "no_target_quiesce": "no_migration_target_quiesce"}
+                "no_target_quiesce": "no_migration_target_quiesce",
+                "prefill_dynamo_default": "prefill_dynamo"}
 """Arm → the prefix of its metrics in the result (the names issue 17 asks for)."""
 
 
@@ -53,7 +59,7 @@ def _tiny_model(directory: Path) -> Path:
 
 def _metrics(runs: dict[str, ArmRun]) -> dict[str, float]:
     metrics: dict[str, float] = {}
-    two_worker = [r for r in runs.values() if r.arm.workers == 2]
+    two_worker = [r for r in runs.values() if r.arm.workers == 2 and not r.arm.disaggregated]
     if two_worker:
         metrics["sent"] = two_worker[0].sent
     for name, run in runs.items():

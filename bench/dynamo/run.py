@@ -10,10 +10,13 @@ main process, SIGKILL at the grace period.
 
 An arm is: Dynamo's worker as shipped or under ``quiesce dynamo vllm``; the frontend's
 ``--migration-limit`` (0: off, Dynamo's default); how many workers (one: nowhere to
-migrate). Every request is judged from aiperf's raw export by reading its stream to the
-end (:func:`bench.replay.aiperf.read_outcomes`). Migrations are read from the frontend's
-own log (``migration retry scheduled``, with ``migration.tokens_completed``: the tokens
-the client already had, which the new worker recomputes with the prompt).
+migrate); or a disaggregated pair (:mod:`tests.integration.dynamo.disagg`: a prefill
+worker, the one scaled down, and a decode worker that pulls its KV over NIXL, slower
+than the load so that pulls queue).
+Every request is judged from aiperf's raw export by reading its stream to the end
+(:func:`bench.replay.aiperf.read_outcomes`). Migrations are read from the frontend's own
+log (``migration retry scheduled``, with ``migration.tokens_completed``: the tokens the
+client already had, which the new worker recomputes with the prompt).
 
 Failure behaviour: a process that cannot start, or aiperf that does not finish, raises;
 a run that did not judge every planned request once is ``complete`` False.
@@ -32,6 +35,7 @@ from typing import Any
 
 from bench.replay import aiperf
 from bench.stats import percentile
+from tests.integration.dynamo.disagg import disagg_args, disagg_env
 from tests.integration.dynamo.processes import (
     Frontend,
     frontend,
@@ -41,7 +45,12 @@ from tests.integration.dynamo.processes import (
     wait_for_model,
     write_template,
 )
-from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
+from tests.integration.worker_process import (
+    Worker,
+    kubelet_delete,
+    prestop_command,
+    stream_completion,
+)
 
 GRACE_S = 120.0
 """terminationGracePeriodSeconds of the victim's pod (SIGKILL after it)."""
@@ -53,6 +62,9 @@ INPUT_LENGTHS = aiperf.UniformLengths(8, 24)
 OUTPUT_LENGTHS = aiperf.UniformLengths(120, 260)
 """At the paced step (0.02 s) a stream runs 2.4-5.2 s alone, longer with others in the
 batch on two cores: most outlive a fixed 5 s grace once queued behind the load."""
+DISAGGREGATED_OUTPUT_LENGTHS = aiperf.UniformLengths(40, 80)
+WARM_UP_ROUNDS = 3
+WARM_UP_CONCURRENCY = 4
 MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)")
 
 
@@ -64,6 +76,13 @@ class Arm:
     quiesce: bool
     migration_limit: int = 0
     workers: int = 2
+    disaggregated: bool = False
+    """A prefill worker (the victim) and a decode worker instead of ``workers``."""
+
+    @property
+    def last_of_its_kind(self) -> bool:
+        """No other worker can take the victim's new requests: arrivals stop before it leaves."""
+        return self.workers == 1 or self.disaggregated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +94,23 @@ class DynamoReplayConfig:
     rate_rps: float = 1.0
     load_s: float = 12.0
     scale_down_at_s: float = 4.0
+    disaggregated_rate_rps: float = 2.0
+    disaggregated_output_lengths: aiperf.UniformLengths = DISAGGREGATED_OUTPUT_LENGTHS
+    """Arrivals and lengths of the disaggregated arms: more than the decoder serves at once
+    (``--max-num-seqs`` 2), so that requests wait in its queue with their KV still on the
+    prefill worker, and short enough that the queue empties well within the budget."""
     input_lengths: aiperf.UniformLengths = INPUT_LENGTHS
     output_lengths: aiperf.UniformLengths = OUTPUT_LENGTHS
     step_s: float = 0.02
     seed: int = 1
 
     def phases(self, arm: Arm) -> tuple[aiperf.Phase, ...]:
-        duration = self.scale_down_at_s if arm.workers == 1 else self.load_s
-        return (aiperf.Phase(self.rate_rps, duration),)
+        duration = self.scale_down_at_s if arm.last_of_its_kind else self.load_s
+        rate = self.disaggregated_rate_rps if arm.disaggregated else self.rate_rps
+        return (aiperf.Phase(rate, duration),)
+
+    def output_lengths_of(self, arm: Arm) -> aiperf.UniformLengths:
+        return self.disaggregated_output_lengths if arm.disaggregated else self.output_lengths
 
 
 @dataclasses.dataclass
@@ -131,16 +159,29 @@ class ArmRun:
                 "aiperf_rc": self.aiperf_rc, "wall_s": round(self.wall_s, 1)}
 
 
+def _worker(arm: Arm, store: Path, args: list[str], env: dict[str, str] | None = None,
+            component: str = "backend") -> contextlib.AbstractContextManager[Worker]:
+    if arm.quiesce:
+        return quiesce_worker(store, args, budget_s=QUIESCE_BUDGET_S, env=env)
+    return shipped_worker(store, args, env=env, component=component)
+
+
 @contextlib.contextmanager
-def _workers(arm: Arm, store: Path, args: list[str]) -> Iterator[list[Worker]]:
-    """The arm's workers, started one after the other (two cores), stopped on the way out."""
+def _workers(arm: Arm, store: Path, model: Path, template: Path, step_s: float
+             ) -> Iterator[list[Worker]]:
+    """The arm's workers, started one after the other (two cores), the victim first in
+    the list, stopped on the way out. A pair starts its decoder first."""
     with contextlib.ExitStack() as stack:
-        started = []
-        for _ in range(arm.workers):
-            start = (quiesce_worker(store, args, budget_s=QUIESCE_BUDGET_S) if arm.quiesce
-                     else shipped_worker(store, args))
-            started.append(stack.enter_context(start))
-        yield started
+        if arm.disaggregated:
+            decode = stack.enter_context(_worker(
+                arm, store, disagg_args(model, template, "decode", step_s), disagg_env(store)))
+            prefill = stack.enter_context(_worker(
+                arm, store, disagg_args(model, template, "prefill", step_s),
+                disagg_env(store), component="prefill"))
+            yield [prefill, decode]
+            return
+        args = vllm_args(model, template, step_s)
+        yield [stack.enter_context(_worker(arm, store, args)) for _ in range(arm.workers)]
 
 
 def _keep_logs(workdir: Path, front: Frontend, workers: list[Worker]) -> None:
@@ -150,8 +191,9 @@ def _keep_logs(workdir: Path, front: Frontend, workers: list[Worker]) -> None:
         (workdir / f"worker-{index}.log").write_text("".join(worker.lines))
 
 
-def _first_request_seen(front: Frontend) -> bool:
-    return any("request received" in line for line in front.process.lines)
+def _first_request_seen(front: Frontend, after: int) -> bool:
+    """The frontend logged a request after its first ``after`` lines (the warm-up's)."""
+    return any("request received" in line for line in front.process.lines[after:])
 
 
 def _migrations(front: Frontend) -> tuple[int, int]:
@@ -161,31 +203,49 @@ def _migrations(front: Frontend) -> tuple[int, int]:
     return len(found), sum(found)
 
 
-def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Path
-             ) -> tuple[Path, list[dict[str, Any]], list[str]]:
-    """The arm's directories, trace (and its records) and worker arguments."""
+def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path
+             ) -> tuple[Path, list[dict[str, Any]], Path]:
+    """The arm's directories, trace (and its records) and chat template."""
     (workdir / "store").mkdir(parents=True, exist_ok=True)
     template = write_template(workdir)
     trace = workdir / "trace.jsonl"
     records = aiperf.write_trace(trace, config.phases(arm), seed=config.seed,
                                  input_lengths=config.input_lengths,
-                                 output_lengths=config.output_lengths)
-    return trace, records, vllm_args(model, template, config.step_s)
+                                 output_lengths=config.output_lengths_of(arm))
+    return trace, records, template
+
+
+async def _warm_up(url: str, model: str) -> None:
+    """A few rounds of concurrent short requests through the frontend before the load: a
+    vLLM engine on the CPU takes seconds over its first forward passes (the prefill
+    worker of a pair answered none of its first requests within 9 s when the load hit it
+    cold), which would otherwise land on whichever requests come first in every arm."""
+    for round_ in range(WARM_UP_ROUNDS):
+        results = await asyncio.gather(*(
+            stream_completion(url, 4, prompt="warm up " * (4 + 6 * index + round_),
+                              model=model, ignore_eos=True, include_usage=True,
+                              timeout_s=LOAD_START_TIMEOUT_S)
+            for index in range(WARM_UP_CONCURRENCY)))
+        failed = [r for r in results if not r.complete]
+        if failed:
+            raise RuntimeError(f"a warm-up request failed: {failed[0]}")
 
 
 async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Path) -> ArmRun:
     """Run ``arm`` once (module docstring); aiperf's artifacts go to ``workdir``."""
     started = time.monotonic()
-    trace, records, args = _prepare(arm, config, workdir, model)
+    trace, records, template = _prepare(arm, config, workdir)
     with frontend(workdir / "store", migration_limit=arm.migration_limit) as front, \
-            _workers(arm, workdir / "store", args) as workers:
+            _workers(arm, workdir / "store", model, template, config.step_s) as workers:
         await asyncio.to_thread(wait_for_model, front.url, str(model))
+        await _warm_up(front.url, str(model))
+        warmed_up = len(front.process.lines)
         load = asyncio.create_task(aiperf.run_aiperf(
             front.url, str(model), trace, workdir / "aiperf", failed_request_threshold=None,
             timeout_s=LOAD_START_TIMEOUT_S + config.load_s * 4 + GRACE_S))
         try:
             deadline = time.monotonic() + LOAD_START_TIMEOUT_S
-            while not _first_request_seen(front) and not load.done():
+            while not _first_request_seen(front, warmed_up) and not load.done():
                 if time.monotonic() > deadline:
                     raise RuntimeError("aiperf sent no request within "
                                        f"{LOAD_START_TIMEOUT_S:g}s")
