@@ -67,6 +67,7 @@ def _metrics(runs: dict[str, ArmRun]) -> dict[str, float]:
         metrics[f"{prefix}_sent"] = run.sent
         metrics[f"{prefix}_failed"] = run.failed
         metrics[f"{prefix}_migrated"] = run.migrated
+        metrics[f"{prefix}_migration_failed"] = run.migration_failed
         metrics[f"{prefix}_recomputed_tokens"] = run.recomputed_tokens
         if run.victim_signal_to_exit_s is not None:
             metrics[f"{prefix}_victim_signal_to_exit_s"] = run.victim_signal_to_exit_s

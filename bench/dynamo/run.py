@@ -65,7 +65,8 @@ batch on two cores: most outlive a fixed 5 s grace once queued behind the load."
 DISAGGREGATED_OUTPUT_LENGTHS = aiperf.UniformLengths(40, 80)
 WARM_UP_ROUNDS = 3
 WARM_UP_CONCURRENCY = 4
-MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)")
+MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)"
+                       r".*?x_request_id\S*?=\S*?\"?([0-9a-f-]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,11 +125,16 @@ class ArmRun:
     failures: dict[str, int]
     complete: bool
     migrated: int
+    """Requests whose stream the frontend re-sent to another worker and that then ended
+    well there (each counted once, however many attempts it took)."""
+    migration_failed: int
+    """Requests the frontend tried to migrate that failed anyway (no worker to take them,
+    or the new worker failed too): recomputed nothing that reached the client."""
     generated_tokens_recomputed: int
-    """``migration.tokens_completed`` summed over the migrations."""
+    """``migration.tokens_completed`` summed over the migrations of ``migrated``."""
     prompt_tokens_recomputed: int
-    """The migrated requests' prompts, estimated from the trace's mean input length (the
-    frontend's log does not say which request each migration was)."""
+    """The migrated requests' prompts, estimated from the trace's mean input length (a
+    request's prompt length is in neither aiperf's export nor the frontend's log)."""
     p99_e2e_s_in_flight: float | None
     """p99 end-to-end latency of the requests in flight when the scale-down began."""
     victim_exit_code: int | None
@@ -147,6 +153,7 @@ class ArmRun:
         return {"arm": dataclasses.asdict(self.arm), "planned": self.planned,
                 "sent": self.sent, "failed": self.failed, "failures": self.failures,
                 "complete": self.complete, "migrated": self.migrated,
+                "migration_failed": self.migration_failed,
                 "recomputed_tokens": self.recomputed_tokens,
                 "generated_tokens_recomputed": self.generated_tokens_recomputed,
                 "prompt_tokens_recomputed_estimate": self.prompt_tokens_recomputed,
@@ -196,11 +203,14 @@ def _first_request_seen(front: Frontend, after: int) -> bool:
     return any("request received" in line for line in front.process.lines[after:])
 
 
-def _migrations(front: Frontend) -> tuple[int, int]:
-    """(migrations, tokens the clients already had) from the frontend's log."""
-    found = [int(m.group(1)) for line in front.process.lines
-             if (m := MIGRATION.search(re.sub(r"\x1b\[[0-9;]*m", "", line)))]
-    return len(found), sum(found)
+def _migrations(front: Frontend) -> dict[str, int]:
+    """Per request (aiperf's ``X-Request-ID``), the tokens its client already had summed
+    over its migration attempts, from the frontend's log."""
+    tokens: dict[str, int] = {}
+    for line in front.process.lines:
+        if m := MIGRATION.search(re.sub(r"\x1b\[[0-9;]*m", "", line)):
+            tokens[m.group(2)] = tokens.get(m.group(2), 0) + int(m.group(1))
+    return tokens
 
 
 def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path
@@ -264,7 +274,7 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
                 load.cancel()  # kills aiperf's process group
                 with contextlib.suppress(asyncio.CancelledError):
                     await load
-        migrated, generated = _migrations(front)
+        migrations = _migrations(front)
         _keep_logs(workdir, front, workers)
     if not run.raw_export.is_file():  # aiperf failed or was killed: nothing to judge
         log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
@@ -277,12 +287,15 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
                  if o.start_ns is not None and o.end_ns is not None
                  and o.start_ns <= scale_down_wall_ns <= o.end_ns]
     mean_prompt = sum(r["input_length"] for r in records) / max(1, len(records))
+    ended_well = {o.request_id for o in outcomes if not o.reasons}
+    migrated = {rid: tokens for rid, tokens in migrations.items() if rid in ended_well}
     return ArmRun(arm=arm, planned=len(records), sent=summary["sent"],
                   failed=summary["failed"], failures=summary["failures"],
                   complete=(summary["sent"] == len(records) and len(set(ids)) == len(ids)
                             and not run.timed_out),
-                  migrated=migrated, generated_tokens_recomputed=generated,
-                  prompt_tokens_recomputed=round(migrated * mean_prompt),
+                  migrated=len(migrated), migration_failed=len(migrations) - len(migrated),
+                  generated_tokens_recomputed=sum(migrated.values()),
+                  prompt_tokens_recomputed=round(len(migrated) * mean_prompt),
                   p99_e2e_s_in_flight=(round(percentile(in_flight, 99), 3) if in_flight
                                        else None),
                   victim_exit_code=deletion.exit_code,
