@@ -145,6 +145,10 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
                "exit_code": EXIT_WORKER_FAILED})
         return EXIT_WORKER_FAILED
     if not component.serving:  # a signal before the model was registered: stop starting
+        # Nothing was served, so there is nothing to drain: the engine's processes get
+        # their own handlers back before Dynamo's cleanup stops them (vLLM's process
+        # manager sends SIGTERM, which a guarded EngineCore would hold back until killed).
+        signals.permit_shutdown()
         worker.cancel()  # Dynamo's own cleanup stops an engine it already built
         await asyncio.wait({worker}, timeout=policy.total_s - policy.cleanup_reserve_s)
     report = await shutdown.run()

@@ -330,3 +330,29 @@ def prestop_command(worker: Worker, grace_s: float, margin_s: float) -> list[str
     """The worker's preStop hook, ``quiesce prestop``, as a pod spec would run it."""
     return [sys.executable, "-m", "quiesce", "prestop", "--url", worker.admin_url,
             "--grace-period", str(grace_s), "--margin", str(margin_s)]
+
+
+# -- what a worker leaves behind ----------------------------------------------------------
+
+
+def live_pids(pids: Sequence[int]) -> list[int]:
+    """The pids of ``pids`` that still run (a zombie, dead but not yet reaped, does not)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[-1].split()[0]
+        except OSError:  # gone
+            continue
+        if state != "Z":
+            alive.append(pid)
+    return alive
+
+
+def outliving(pids: Sequence[int], grace_s: float = 10.0) -> list[int]:
+    """The pids of ``pids`` still running after up to ``grace_s`` (call it once the worker
+    exited: what it returns are orphans)."""
+    deadline = time.monotonic() + grace_s
+    while live_pids(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return live_pids(pids)

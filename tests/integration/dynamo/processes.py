@@ -133,3 +133,66 @@ def exit_report(worker: Worker) -> dict[str, object] | None:
     """The worker's ``{"event": "exit", ...}`` line, if it printed one."""
     exits = [e for e in json_events(worker.lines) if e.get("event") == "exit"]
     return exits[-1] if exits else None
+
+
+# -- a worker held inside Dynamo's model registration ---------------------------------------
+
+HELD_MARK = "quiesce-test: inside Dynamo's model registration"
+"""What the held worker prints once it is inside ``register_vllm_model`` (see below)."""
+HELD_REGISTRATION = """\
+import asyncio, importlib.abc, os, sys
+from quiesce.cli import main
+
+def hold(dynamo_main):
+    register = dynamo_main.register_model
+
+    async def held_register_model(*args, **kwargs):
+        await register(*args, **kwargs)
+        print(os.environ["QUIESCE_TEST_HELD_MARK"], flush=True)
+        await asyncio.sleep(float(os.environ["QUIESCE_TEST_HOLD_S"]))
+
+    dynamo_main.register_model = held_register_model
+
+class HoldOnImport(importlib.abc.MetaPathFinder):  # when the worker imports it, not before
+    def find_spec(self, name, path, target=None):
+        if name != "dynamo.vllm.main":
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            hold(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, HoldOnImport())
+sys.exit(main(["dynamo", "vllm", *sys.argv[1:]]))
+"""
+"""``quiesce dynamo vllm`` whose Dynamo registration is held at a known point: Dynamo
+1.6.1's ``register_vllm_model`` ends in ``dynamo.llm.register_model`` (it publishes the
+model card the frontend routes by). Here, once that call published the card, the
+worker prints :data:`HELD_MARK` and is held for ``QUIESCE_TEST_HOLD_S`` seconds before
+``register_vllm_model`` returns (the endpoints are not served yet). The name is
+replaced when the worker itself imports ``dynamo.vllm.main`` (after it claimed its
+signals, as it always does); everything else is the real worker, quiesce's hooks
+included."""
+
+
+@contextlib.contextmanager
+def held_registration_worker(store: Path, args: Sequence[str], *, hold_s: float = 120.0,
+                             budget_s: float = 30.0) -> Iterator[Worker]:
+    """``quiesce dynamo vllm ARGS`` held inside Dynamo's model registration, its model card
+    published (:data:`HELD_REGISTRATION`); ready once held."""
+    env = {**dynamo_env(store), "QUIESCE_TEST_HOLD_S": str(hold_s),
+           "QUIESCE_TEST_HELD_MARK": HELD_MARK}
+    command = [sys.executable, "-c", HELD_REGISTRATION, "--admin-port", str(free_port()),
+               "--budget", str(budget_s), "--", *args]
+    with running(command, env, HELD_MARK, name="quiesce dynamo vllm (held)") as worker:
+        yield worker
