@@ -4,8 +4,8 @@
 codes: 0 success, 1 the demo's quiesce policy lost a request, 2 bad arguments.
 
 ``quiesce serve`` runs the reference worker (:mod:`quiesce.worker`; its exit codes
-are the shutdown report's). ``quiesce dynamo vllm [options] -- ARGS`` runs NVIDIA
-Dynamo's own ``dynamo.vllm`` worker with quiesce inside (:mod:`quiesce.dynamo_worker`;
+are the shutdown report's). ``quiesce dynamo vllm|sglang|trtllm [options] -- ARGS`` runs
+NVIDIA Dynamo's own ``dynamo.<engine>`` worker with quiesce inside (:mod:`quiesce.dynamo_worker`;
 the same exit codes, plus 1 when Dynamo's worker ends by itself).
 
 ``quiesce doctor trtllm [--source DIR] [--json]`` checks, without a GPU and without

@@ -1,21 +1,22 @@
-"""``quiesce dynamo vllm -- ARGS``: NVIDIA Dynamo's own ``dynamo.vllm`` worker, drained by quiesce.
+"""``quiesce dynamo COMPONENT -- ARGS``: NVIDIA Dynamo's own worker, drained by quiesce.
 
-Runs Dynamo's real worker (``python -m dynamo.vllm ARGS``, ai-dynamo 1.6.1) in this
-process with the hooks of :mod:`quiesce.adapters.dynamo.components`, and around it what
-``quiesce serve`` has:
+COMPONENT is ``vllm``, ``sglang`` or ``trtllm``. Runs Dynamo's real worker
+(``python -m dynamo.COMPONENT ARGS``, ai-dynamo 1.6.1) in this process with the hooks of
+:mod:`quiesce.adapters.dynamo.components`, and around it what ``quiesce serve`` has:
 
 - the worker owns SIGTERM and SIGINT from the first instant (claimed before the engine
-  starts, so vLLM's processes are guarded and a signal to the group or to every process
-  does not stop them on their own); Dynamo's graceful-shutdown helper is never installed;
+  starts, so the engine's processes are guarded where quiesce's engine plugin runs in
+  them and a signal to the group or to every process does not stop them on their own);
+  Dynamo's graceful-shutdown helper is never installed;
 - every request Dynamo's handlers serve is admitted through the gate; once draining, a
   new one gets Dynamo's ``WorkerUnavailable`` (HTTP 503) before any work;
 - SIGTERM runs the budgeted shutdown (:mod:`quiesce.shutdown`): unregister the worker's
   model card (what Dynamo's frontend routes by) and endpoint instances, router grace (at
   least ``--router-grace``, then until ``--router-quiet`` passes without a request),
-  close admission, wait until nothing is admitted and
-  the vLLM engine (its own counts, held KV sends on a prefill worker included) is
-  quiescent, then Dynamo's own teardown (``pre_shutdown_callback``, ``shutdown_event``,
-  ``runtime.shutdown()``, engine shutdown). A second signal exits at once;
+  close admission, wait until nothing is admitted and the engine (quiesce's probe for
+  it, held KV sends on a prefill worker included) is quiescent, then Dynamo's own
+  teardown (its callbacks, ``shutdown_event``, ``runtime.shutdown()``, engine
+  shutdown). A second signal exits at once;
 - the admin API on ``--admin-port`` (status, drain, resume, metrics; ``quiesce prestop``
   works against it), listening once the model is registered.
 
@@ -23,8 +24,9 @@ A signal at any point of the worker's life ends with a report and an exit code: 
 model load or before registration the worker stops without serving (nothing admitted:
 drained, 0); while serving or draining, the drain's outcome (0 drained, 3 forced, 5
 lost); a second signal 4. Dynamo's worker failing on its own is exit 1 with its error;
-bad options are exit 2 before anything starts. Output: one JSON line ``{"event":
-"starting", ...}`` once the worker owns its signals (before Dynamo and vLLM are
+bad options, a Dynamo or engine that cannot be imported, or a worker kind quiesce does
+not wrap are exit 2 before anything serves. Output: one JSON line ``{"event":
+"starting", ...}`` once the worker owns its signals (before Dynamo and the engine are
 imported), one ``{"event": "ready", ...}`` when the model is registered, and one
 ``{"event": "exit", ...}`` with the shutdown report, as ``quiesce serve`` prints them.
 An engine that dies ends the worker through Dynamo's own handler (``os._exit(1)``), with
@@ -44,7 +46,7 @@ import sys
 from collections.abc import Sequence
 
 from quiesce.adapters.dynamo import DynamoDiscovery
-from quiesce.adapters.dynamo.components import ComponentDiscovery, VllmComponent
+from quiesce.adapters.dynamo.components import ComponentDiscovery, component_for
 from quiesce.admission import AdmissionGate
 from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError, EngineNotInstalled
@@ -82,8 +84,8 @@ async def run_dynamo_worker(args: argparse.Namespace, argv: Sequence[str]) -> in
     token = load_token(args.admin_token_file)
     check_bind(args.admin_host, token)
     admin_socket = bind_socket(args.admin_host, args.admin_port, listen=False)
-    # The worker owns SIGTERM/SIGINT before Dynamo or vLLM start anything: vLLM's
-    # processes inherit the claim and are guarded by quiesce's plugin.
+    # The worker owns SIGTERM/SIGINT before Dynamo or the engine start anything: the
+    # engine's processes inherit the claim and are guarded by quiesce's plugin.
     signals = SignalOwnership()
     signals.claim()
     try:
@@ -97,13 +99,13 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
                drain_config: DrainConfig, token: str | None, admin_socket: socket.socket,
                signals: SignalOwnership) -> int:
     gate = AdmissionGate(accepting=False)  # opened when the model is registered
-    component = VllmComponent(gate)
+    component = component_for(args.component, gate)
     discovery = ComponentDiscovery(component,
                                    DynamoDiscovery(component.endpoints, registered=False))
     lifecycle = Lifecycle(gate=gate, probe=component.probe, discovery=discovery,
                           config=drain_config)
     shutdown = Shutdown(lifecycle, component.control, policy, signals=signals)
-    shutdown.install_signal_handlers()  # before the (slow) import of Dynamo and vLLM
+    shutdown.install_signal_handlers()  # before the (slow) import of Dynamo and the engine
     _emit({"event": "starting", "component": args.component, "pid": os.getpid()})
     component.install()
 

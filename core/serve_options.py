@@ -279,8 +279,9 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
 
 # -- quiesce dynamo COMPONENT [options] -- ARGS --------------------------------------
 
-DYNAMO_COMPONENTS = ("vllm",)
-"""Dynamo worker components ``quiesce dynamo`` runs (``python -m dynamo.<name>``)."""
+DYNAMO_COMPONENTS = ("vllm", "sglang", "trtllm")
+"""Dynamo worker components ``quiesce dynamo`` runs (``python -m dynamo.<name>``; the same
+names as :data:`quiesce.adapters.dynamo.components.COMPONENTS`)."""
 DYNAMO_GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
 DYNAMO_GRACE_S = 1.0
 DYNAMO_QUIET_S = 2.0

@@ -13,8 +13,9 @@ For a worker that serves Dynamo endpoints with ``ai-dynamo-runtime``
 - :func:`graceful_shutdown_with_drain` / :func:`install_signal_handlers`
   (:mod:`.shutdown`) — a drop-in for Dynamo's graceful-shutdown helper that drains
   instead of sleeping a fixed grace period.
-- :mod:`.components` — hooks into Dynamo's own worker components (``dynamo.vllm``), used
-  by ``quiesce dynamo vllm -- ...`` (:mod:`quiesce.dynamo_worker`).
+- :mod:`.components` — hooks into Dynamo's own worker components (``dynamo.vllm``,
+  ``dynamo.sglang``, ``dynamo.trtllm``), used by ``quiesce dynamo COMPONENT -- ...``
+  (:mod:`quiesce.dynamo_worker`).
 
 Nothing here imports ``dynamo`` at import time: :func:`loopback_runtime` and the
 component hooks import it when called (without it:
