@@ -21,8 +21,8 @@ import enum
 import functools
 import inspect
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
-from types import ModuleType, SimpleNamespace
+from collections.abc import AsyncIterator, Callable
+from types import ModuleType
 from typing import Any, ClassVar
 
 import pytest
@@ -237,11 +237,3 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
 def served_endpoint(runtime: FakeRuntime) -> FakeEndpoint:
     (endpoint,) = [e for e in runtime.endpoints.values() if e.path.endswith(".generate")]
     return endpoint
-
-
-def config(**dynamo_args: Any) -> SimpleNamespace:
-    return SimpleNamespace(dynamo_args=SimpleNamespace(**dynamo_args))
-
-
-def iter_modules(prefix: str) -> Iterator[str]:
-    return (name for name in list(sys.modules) if name.startswith(prefix))
