@@ -109,21 +109,25 @@ def wait_for_model(url: str, model: str, timeout_s: float = 60.0) -> None:
     raise RuntimeError(f"the frontend at {url} did not list {model} within {timeout_s}s")
 
 
-def shipped_worker(store: Path, args: Sequence[str]) -> contextlib.AbstractContextManager[Worker]:
-    """Dynamo's ``python -m dynamo.vllm`` as shipped (its 5 s graceful-shutdown helper)."""
-    return running([sys.executable, "-m", "dynamo.vllm", *args], dynamo_env(store),
-                   "Registered endpoint 'dynamo.backend.generate'", name="dynamo.vllm")
+def shipped_worker(store: Path, args: Sequence[str], *, env: dict[str, str] | None = None,
+                   component: str = "backend") -> contextlib.AbstractContextManager[Worker]:
+    """Dynamo's ``python -m dynamo.vllm`` as shipped (its 5 s graceful-shutdown helper).
+    ``env``: instead of :func:`dynamo_env`; ``component``: Dynamo's (``prefill`` for a
+    prefill worker), ready once its ``generate`` endpoint is registered."""
+    return running([sys.executable, "-m", "dynamo.vllm", *args], env or dynamo_env(store),
+                   f"Registered endpoint 'dynamo.{component}.generate'", name="dynamo.vllm")
 
 
 @contextlib.contextmanager
 def quiesce_worker(store: Path, args: Sequence[str], *, budget_s: float = 60.0,
-                   options: Sequence[str] = ()) -> Iterator[Worker]:
+                   options: Sequence[str] = (), env: dict[str, str] | None = None
+                   ) -> Iterator[Worker]:
     """The same worker under ``quiesce dynamo vllm`` (ready once the model is registered;
-    ``admin_port`` set)."""
+    ``admin_port`` set). ``env``: instead of :func:`dynamo_env`."""
     port = free_port()
     command = [sys.executable, "-m", "quiesce", "dynamo", "vllm", "--admin-port", str(port),
                "--budget", str(budget_s), *options, "--", *args]
-    with running(command, dynamo_env(store), '"event": "ready"',
+    with running(command, env or dynamo_env(store), '"event": "ready"',
                  name="quiesce dynamo vllm") as worker:
         worker.admin_port = port
         yield worker
