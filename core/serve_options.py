@@ -12,6 +12,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from quiesce.adapters.dynamo.backend import DISCOVERY_BACKENDS, REQUEST_PLANES
 from quiesce.adapters.nvml import parse_devices
 from quiesce.adapters.sim import SimConfig
 from quiesce.drain import DrainConfig
@@ -20,6 +21,7 @@ from quiesce.probe import Role
 from quiesce.shutdown import ShutdownPolicy
 
 if TYPE_CHECKING:
+    from quiesce.adapters.dynamo.backend import DynamoBackendConfig
     from quiesce.adapters.etcd import EtcdConfig
 
 ENGINES = ("sim", "vllm", "sglang", "trtllm")
@@ -28,6 +30,18 @@ MODEL_ENGINES = ("vllm", "sglang", "trtllm")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 WILDCARD_HOSTS = ("0.0.0.0", "0", "::", "::0", "")
 """Addresses a server binds to but no router can connect to."""
+DYNAMO_SHUTDOWNS = ("quiesce", "dynamo")
+"""``--dynamo-shutdown``: quiesce's drain, or Dynamo 1.6.1's own graceful-shutdown helper."""
+DYNAMO_CONFLICTS = {
+    "engine": "--dynamo serves the sim engine only (Dynamo's own vLLM worker: "
+              "quiesce dynamo vllm)",
+    "etcd": "--dynamo registers in Dynamo's discovery (--dynamo-discovery-backend), "
+            "not quiesce's etcd directory",
+    "advertise_url": "--dynamo serves no HTTP API to advertise (Dynamo's request plane)",
+    "role": "--dynamo serves an aggregated worker only",
+}
+DYNAMO_ONLY = ("dynamo_endpoint", "dynamo_discovery_backend", "dynamo_request_plane")
+"""Options that mean something only with ``--dynamo``."""
 ETCD_OPTIONS = {"worker": "name", "prefix": "etcd_prefix", "ttl_s": "etcd_ttl",
                 "host": "etcd", "port": "etcd", "address": "advertise_url"}
 """EtcdConfig's fields → the ``quiesce serve`` options they come from."""
@@ -62,6 +76,14 @@ class WorkerOptions:
     etcd_ttl_s: int = 10
     advertise_url: str | None = None
     """Where routers reach the serving API; default ``http://HOST:PORT`` as bound."""
+    router_quiet_s: float = 0.0
+    dynamo: bool = False
+    """Serve as a Dynamo backend (model card and endpoint) instead of the HTTP API."""
+    dynamo_endpoint: str = "dynamo.backend.generate"
+    dynamo_discovery_backend: str = "etcd"
+    dynamo_request_plane: str = "tcp"
+    dynamo_shutdown: str = "quiesce"
+    """What SIGTERM runs with ``dynamo``: quiesce's drain, or Dynamo's own helper."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -91,8 +113,10 @@ class WorkerOptions:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {share!r}")
         # validate the time model, the budget and discovery before anything starts
         SimConfig(decode_step_s=self.decode_step_s)
-        ShutdownPolicy(total_s=self.budget_s, cleanup_reserve_s=self.cleanup_reserve_s)
+        self.shutdown_policy()
+        self.drain_config()
         self._check_discovery()
+        self._check_dynamo()
 
     def _check_discovery(self) -> None:
         if self.advertise_url is not None:
@@ -105,6 +129,44 @@ class WorkerOptions:
                                                f"wildcard address (e.g. "
                                                f"--advertise-url http://$POD_IP:{self.port})")
         self.etcd_config(self.port)
+
+    def _check_dynamo(self) -> None:
+        """``--dynamo``: what it needs and what it cannot be combined with."""
+        if self.dynamo_shutdown not in DYNAMO_SHUTDOWNS:
+            raise ConfigError("dynamo_shutdown", f"one of {DYNAMO_SHUTDOWNS}, got "
+                                                 f"{self.dynamo_shutdown!r}")
+        if not self.dynamo:
+            if self.dynamo_shutdown != "quiesce":
+                raise ConfigError("dynamo_shutdown", "needs --dynamo")
+            return
+        conflicts = {"engine": self.engine != "sim", "etcd": self.etcd is not None,
+                     "advertise_url": self.advertise_url is not None,
+                     "role": self.role is not Role.AGGREGATED}
+        for field, conflict in conflicts.items():
+            if conflict:
+                raise ConfigError(field, DYNAMO_CONFLICTS[field])
+        if not self.model:
+            raise ConfigError("model", "--dynamo needs --model DIR: the model card Dynamo's "
+                                       "frontend tokenizes with (config.json, tokenizer.json)")
+        self.dynamo_config()
+
+    def dynamo_config(self) -> DynamoBackendConfig:
+        """The :class:`~quiesce.adapters.dynamo.backend.DynamoBackendConfig` of
+        ``--dynamo``; ConfigError naming the option on a bad value."""
+        from quiesce.adapters.dynamo.backend import DynamoBackendConfig  # noqa: PLC0415
+
+        assert self.model is not None
+        return DynamoBackendConfig(
+            model_path=self.model, served_model_name=self.served_model_name or self.model,
+            endpoint=self.dynamo_endpoint, discovery_backend=self.dynamo_discovery_backend,
+            request_plane=self.dynamo_request_plane)
+
+    def drain_config(self) -> DrainConfig:
+        return DrainConfig(router_grace_s=self.router_grace_s,
+                           router_quiet_s=self.router_quiet_s)
+
+    def shutdown_policy(self) -> ShutdownPolicy:
+        return ShutdownPolicy(total_s=self.budget_s, cleanup_reserve_s=self.cleanup_reserve_s)
 
     def etcd_config(self, api_port: int) -> EtcdConfig:
         """The :class:`~quiesce.adapters.etcd.EtcdConfig` of this worker, its address
@@ -206,6 +268,39 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     discovery.add_argument("--etcd-ttl", type=int, default=defaults.etcd_ttl_s,
                            help="lease TTL, whole seconds: how long a dead worker stays listed "
                                 "(%(default)s)")
+    add_dynamo_backend_arguments(parser)
+
+
+def add_dynamo_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """``quiesce serve --dynamo`` and its options (defaults resolved by
+    :func:`options_from_args`, from Dynamo's own environment variables)."""
+    parser.add_argument("--router-quiet", type=float, default=None,
+                        help="after the router grace, keep admitting until no request came "
+                             f"for this long, s (default: {DYNAMO_QUIET_S:g} with --dynamo, "
+                             "else 0: off)")
+    group = parser.add_argument_group(
+        "Dynamo backend", "serve the engine behind NVIDIA Dynamo's frontend (ai-dynamo 1.6.1) "
+                          "instead of the OpenAI HTTP API (--host/--port unused)")
+    group.add_argument("--dynamo", action="store_true",
+                       help="register as a Dynamo backend: Dynamo's model card from --model "
+                            "DIR (config.json and tokenizer.json: the frontend tokenizes) and "
+                            "a token endpoint through Dynamo's runtime; sim engine only. "
+                            "Needs quiesce[dynamo]")
+    group.add_argument("--dynamo-endpoint", default=None, metavar="NAMESPACE.COMPONENT.ENDPOINT",
+                       help="the endpoint served (default: $DYN_NAMESPACE.backend.generate, "
+                            "i.e. dynamo.backend.generate, as Dynamo's workers)")
+    group.add_argument("--dynamo-discovery-backend", default=None, choices=DISCOVERY_BACKENDS,
+                       help="Dynamo's discovery (default: $DYN_DISCOVERY_BACKEND, else etcd; "
+                            "file: $DYN_FILE_KV)")
+    group.add_argument("--dynamo-request-plane", default=None, choices=REQUEST_PLANES,
+                       help="Dynamo's request plane (default: $DYN_REQUEST_PLANE, else tcp)")
+    group.add_argument("--dynamo-shutdown", default="quiesce", choices=DYNAMO_SHUTDOWNS,
+                       help="on SIGTERM: quiesce (%(default)s: unregister the model card and "
+                            "the instance, router grace and quiet, close admission, wait until "
+                            "nothing is admitted and the engine is idle) or dynamo (Dynamo "
+                            "1.6.1's own helper as its workers ship it: unregister the "
+                            "instance, sleep $DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS or 5 s, "
+                            "abort what is left)")
 
 
 def parse_json_object(field: str, text: str | None) -> dict[str, Any] | None:
@@ -254,6 +349,26 @@ def default_name() -> str:
     return os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
 
 
+def dynamo_fields(args: argparse.Namespace,
+                  environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The ``--dynamo`` fields of :class:`WorkerOptions`, unset ones from Dynamo's
+    environment; ConfigError for a Dynamo-only option given without ``--dynamo``."""
+    if not args.dynamo:
+        for field in DYNAMO_ONLY:
+            if getattr(args, field) is not None:
+                raise ConfigError(field, "needs --dynamo")
+    namespace = environ.get("DYN_NAMESPACE") or "dynamo"
+    return {"dynamo": args.dynamo,
+            "dynamo_endpoint": args.dynamo_endpoint or f"{namespace}.backend.generate",
+            "dynamo_discovery_backend": (args.dynamo_discovery_backend
+                                         or environ.get("DYN_DISCOVERY_BACKEND") or "etcd"),
+            "dynamo_request_plane": (args.dynamo_request_plane
+                                     or environ.get("DYN_REQUEST_PLANE") or "tcp"),
+            "dynamo_shutdown": args.dynamo_shutdown,
+            "router_quiet_s": (args.router_quiet if args.router_quiet is not None
+                               else DYNAMO_QUIET_S if args.dynamo else 0.0)}
+
+
 def options_from_args(args: argparse.Namespace) -> WorkerOptions:
     """:class:`WorkerOptions` from parsed arguments; raises ConfigError naming the field."""
     return WorkerOptions(
@@ -274,7 +389,7 @@ def options_from_args(args: argparse.Namespace) -> WorkerOptions:
                            else parse_devices(args.require_gpu_quiet)),
         name=args.name if args.name is not None else default_name(),
         etcd=parse_endpoint("etcd", args.etcd), etcd_prefix=args.etcd_prefix,
-        etcd_ttl_s=args.etcd_ttl, advertise_url=args.advertise_url)
+        etcd_ttl_s=args.etcd_ttl, advertise_url=args.advertise_url, **dynamo_fields(args))
 
 
 # -- quiesce dynamo COMPONENT [options] -- ARGS --------------------------------------

@@ -27,25 +27,39 @@ protected is logged at start-up, printed in the ready line and shown in
 
 The wiring a backend needs is all in :func:`run_worker`: build the gate, the probe,
 discovery and the lifecycle; admit every request; hand SIGTERM to ``Shutdown``.
+
+``--dynamo``: the sim engine is served behind NVIDIA Dynamo's frontend instead of the
+HTTP API (:mod:`quiesce.adapters.dynamo.backend`: Dynamo's model card and a token
+endpoint through its runtime, every request through the gate; discovery is the card and
+the endpoint instance). SIGTERM runs quiesce's shutdown as above, with ``runtime.shutdown()``
+as the listeners' close; or, with ``--dynamo-shutdown dynamo``, Dynamo 1.6.1's own
+graceful-shutdown helper as its workers ship it (unregister the instance, sleep the grace,
+abort what is left), after which the worker stops its engine and exits 0, or 5 when an
+admitted request was lost (the exit line counts every request since start). The ready
+line has ``"port": null`` and ``dynamo`` (endpoint, shutdown); a serve that ends without
+a signal exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import logging
 import os
 import signal
+import socket
 import sys
+from collections.abc import Awaitable, Callable
 
+from quiesce.adapters.dynamo.backend import DynamoBackend, require_dynamo_shutdown
 from quiesce.adapters.etcd import EtcdDiscovery
 from quiesce.adapters.nvml import GpuQuietProbe, require_gpu_quiet
 from quiesce.adapters.sim import SimConfig, SimServing
 from quiesce.admission import AdmissionGate
 from quiesce.discovery import Discovery, DiscoveryUnavailable, InMemoryDiscovery
-from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError, EngineNotInstalled
 from quiesce.lifecycle import Lifecycle
 from quiesce.metrics import WorkerMetrics
@@ -61,10 +75,20 @@ from quiesce.server import (
     create_admin_app,
     load_token,
 )
-from quiesce.shutdown import SIGNALS, Shutdown, ShutdownPolicy, exit_immediately
+from quiesce.shutdown import (
+    EXIT_CLEAN,
+    EXIT_LOST,
+    SIGNALS,
+    Shutdown,
+    exit_immediately,
+)
 from quiesce.signal_guard import SignalOwnership
 
 log = logging.getLogger("quiesce.worker")
+
+EXIT_WORKER_FAILED = 1
+"""``--dynamo``: serving ended without a signal (Dynamo's runtime went away)."""
+Cleanup = Callable[[], Awaitable[None]]
 
 
 def build_serving(options: WorkerOptions) -> ServingEngine:
@@ -137,7 +161,8 @@ def build_discovery(options: WorkerOptions, api_port: int) -> Discovery:
     return EtcdDiscovery(options.etcd_config(api_port))
 
 
-async def _start_or_stop(lifecycle: Lifecycle, serving: ServingEngine) -> None:
+async def _start_or_stop(lifecycle: Lifecycle, serving: ServingEngine,
+                         close_discovery: Cleanup | None = None) -> None:
     """Register and open admission; if the first registration fails, stop the discovery
     client and the engine, and raise DiscoveryUnavailable (exit code 2)."""
     try:
@@ -146,6 +171,8 @@ async def _start_or_stop(lifecycle: Lifecycle, serving: ServingEngine) -> None:
         log.error("the first registration failed; stopping the engine and exiting")
         if isinstance(lifecycle.discovery, EtcdDiscovery):
             await lifecycle.discovery.close()
+        if close_discovery is not None:
+            await close_discovery()
         await serving.control.shutdown()
         raise
 
@@ -186,9 +213,69 @@ async def run_worker(options: WorkerOptions) -> int:
         loop.add_signal_handler(sig, during_start, sig)
     _emit({"event": "starting", "pid": os.getpid()})
     try:
+        if options.dynamo:
+            return await _serve_dynamo(options, token, signals, early)
         return await _serve(options, token, signals, early)
     finally:
         signals.release()
+
+
+async def _probe(options: WorkerOptions, serving: ServingEngine, timeout_s: float
+                 ) -> tuple[QuiescenceProbe, GpuQuietProbe | None]:
+    """The engine's probe, with the GPUs' quiet (``--require-gpu-quiet``) when asked."""
+    if not options.require_gpu_quiet:
+        return serving.probe, None
+    gpu_quiet = require_gpu_quiet(serving.probe, options.require_gpu_quiet,
+                                  probe_timeout_s=timeout_s)
+    if (why := await gpu_quiet.check()) is not None:
+        log.warning("--require-gpu-quiet: the GPUs cannot be read, so the worker will "
+                    "not report drained until they can: %s", why)
+    return gpu_quiet, gpu_quiet
+
+
+@dataclasses.dataclass
+class _Admin:
+    """The admin API and the deletion-cost publisher of one worker."""
+
+    server: EmbeddedServer
+    publisher: DeletionCostPublisher | None
+    publishing: asyncio.Task[None] | None = None
+
+    @classmethod
+    def build(cls, lifecycle: Lifecycle, sock: socket.socket, *, token: str | None,
+              signals: SignalOwnership, pod: PodIdentity | None,
+              extra: dict[str, object] | None = None) -> _Admin:
+        publisher = DeletionCostPublisher(lifecycle, pod) if pod is not None else None
+
+        def worker_status() -> dict[str, object]:  # the CLI polls status every 50 ms
+            status: dict[str, object] = {"signal_guard":
+                                         signals.report(max_age_s=1.0).to_dict(), **(extra or {})}
+            if publisher is not None:
+                status["deletion_cost"] = publisher.status()
+            return status
+
+        return cls(EmbeddedServer(create_admin_app(lifecycle, token=token,
+                                                   metrics=WorkerMetrics(lifecycle),
+                                                   extra_status=worker_status), sock),
+                   publisher)
+
+    def publish(self) -> None:
+        if self.publisher is not None:
+            self.publishing = asyncio.create_task(self.publisher.run(asyncio.Event()),
+                                                  name="deletion-cost")
+
+    def leaving(self) -> None:
+        """The pod is on its way out: its cost no longer matters. At once, even mid-PATCH:
+        the shutdown's budget is running."""
+        if self.publishing is not None:
+            self.publishing.cancel()
+
+
+async def _stop_without_serving(shutdown: Shutdown, close: Cleanup | None = None) -> int:
+    log.warning("signalled during start-up: stopping without serving")
+    report = await shutdown.run(close=close)
+    _emit({"event": "exit", **report.to_dict()})
+    return report.exit_code
 
 
 async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwnership,
@@ -196,7 +283,7 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     # Configuration errors surface before the (slow) engine start.
     pod = PodIdentity.from_environment() if options.publish_deletion_cost else None
     _check_installed(options)
-    drain_config = DrainConfig(router_grace_s=options.router_grace_s)
+    drain_config = options.drain_config()
     # The ports and the discovery client too, so that a port in use or a bad discovery
     # setting fails at once; the ports refuse connections until the worker registers.
     api_socket = bind_socket(options.host, options.port, listen=False)
@@ -207,61 +294,34 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     guards = signals.report()
     log.log(logging.INFO if guards.protected else logging.WARNING, "signal guard: %s",
             guards.summary())
-    probe: QuiescenceProbe = serving.probe
-    gpu_quiet: GpuQuietProbe | None = None
-    if options.require_gpu_quiet:
-        probe = gpu_quiet = require_gpu_quiet(serving.probe, options.require_gpu_quiet,
-                                              probe_timeout_s=drain_config.probe_timeout_s)
-        if (why := await gpu_quiet.check()) is not None:
-            log.warning("--require-gpu-quiet: the GPUs cannot be read, so the worker will "
-                        "not report drained until they can: %s", why)
+    probe, gpu_quiet = await _probe(options, serving, drain_config.probe_timeout_s)
     gate = AdmissionGate()
     api = EmbeddedServer(create_completions_app(serving, gate), api_socket)
     lifecycle = Lifecycle(gate=gate, probe=probe, discovery=discovery, config=drain_config)
-    shutdown = Shutdown(lifecycle, serving.control,
-                        ShutdownPolicy(total_s=options.budget_s,
-                                       cleanup_reserve_s=options.cleanup_reserve_s),
+    shutdown = Shutdown(lifecycle, serving.control, options.shutdown_policy(),
                         signals=signals)
     shutdown.install_signal_handlers()
     if early:
         shutdown.on_signal(early[0])
-
-    publisher = DeletionCostPublisher(lifecycle, pod) if pod is not None else None
-
-    def worker_status() -> dict[str, object]:  # the CLI polls status every 50 ms
-        status: dict[str, object] = {"signal_guard": signals.report(max_age_s=1.0).to_dict()}
-        if publisher is not None:
-            status["deletion_cost"] = publisher.status()
-        return status
-
-    admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
-                                            metrics=WorkerMetrics(lifecycle),
-                                            extra_status=worker_status),
-                           admin_socket)
+    admin = _Admin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod)
     # Registered before the servers start: nothing is served (and /health/ready does not
     # answer) until routers can find the worker; a failed registration serves nothing.
     # What connects during the registration (a few ms) waits in the listen backlog.
     if shutdown.requested:  # signalled while the engine started: never register or serve
-        log.warning("signalled during start-up: stopping without serving")
-        report = await shutdown.run()
-        _emit({"event": "exit", **report.to_dict()})
-        return report.exit_code
+        return await _stop_without_serving(shutdown)
     for sock in (api_socket, admin_socket):
         sock.listen(LISTEN_BACKLOG)
     await _start_or_stop(lifecycle, serving)
     await api.start()
-    await admin.start()
-    _emit({"event": "ready", "port": api.port, "admin_port": admin.port, "pid": os.getpid(),
-           "signal_guard": guards.to_dict()})
-
-    publishing = (asyncio.create_task(publisher.run(asyncio.Event()), name="deletion-cost")
-                  if publisher is not None else None)
-
+    await admin.server.start()
+    _emit({"event": "ready", "port": api.port, "admin_port": admin.server.port,
+           "pid": os.getpid(), "signal_guard": guards.to_dict()})
+    admin.publish()
     await shutdown.wait_requested()
-    if publishing is not None:  # the pod is on its way out: its cost no longer matters
-        publishing.cancel()  # at once, even mid-PATCH: the shutdown's budget is running
+    admin.leaving()
+
     async def close() -> None:  # together: each uvicorn stop takes 0.1-0.3 s
-        await asyncio.gather(api.stop(), admin.stop())
+        await asyncio.gather(api.stop(), admin.server.stop())
 
     report = await shutdown.run(close=close)
     if isinstance(discovery, EtcdDiscovery):
@@ -270,6 +330,94 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
         await gpu_quiet.aclose()  # shuts NVML down and ends its thread
     _emit({"event": "exit", **report.to_dict()})
     return report.exit_code
+
+
+async def _serve_dynamo(options: WorkerOptions, token: str | None, signals: SignalOwnership,
+                        early: list[signal.Signals]) -> int:
+    """``--dynamo`` (module docstring): the sim engine behind Dynamo's frontend."""
+    pod = PodIdentity.from_environment() if options.publish_deletion_cost else None
+    _check_installed(options)
+    as_shipped = options.dynamo_shutdown == "dynamo"
+    if as_shipped:
+        require_dynamo_shutdown()  # ai-dynamo missing: exit 2 before anything starts
+    drain_config = options.drain_config()
+    policy = options.shutdown_policy()
+    serving = SimServing(SimConfig(decode_step_s=options.decode_step_s), options.role,
+                         options.name, served_model_name=options.served_model_name or "quiesce")
+    gate = AdmissionGate(accepting=False)  # opened by the lifecycle's start
+    backend = DynamoBackend(options.dynamo_config(), gate, serving.stream,
+                            serving.engine.abort)  # reads the model's tokenizer
+    admin_socket = bind_socket(options.admin_host, options.admin_port, listen=False)
+    await backend.connect()
+    await serving.start()
+    probe, gpu_quiet = await _probe(options, serving, drain_config.probe_timeout_s)
+    lifecycle = Lifecycle(gate=gate, probe=probe, discovery=backend.discovery,
+                          config=drain_config)
+    shutdown = Shutdown(lifecycle, backend.control(serving.control), policy, signals=signals)
+
+    async def close_backend() -> None:
+        await backend.close(policy.cleanup_reserve_s)
+
+    if early:
+        shutdown.on_signal(early[0])
+    elif as_shipped:  # Dynamo's helper owns SIGTERM/SIGINT from here, as in dynamo.vllm
+        backend.install_dynamo_shutdown(asyncio.get_running_loop())
+    else:
+        shutdown.install_signal_handlers()
+    dynamo = {"endpoint": backend.config.endpoint, "shutdown": options.dynamo_shutdown}
+    admin = _Admin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod,
+                         extra={"dynamo": dynamo})
+    if shutdown.requested:
+        return await _stop_without_serving(shutdown, close_backend)
+    admin_socket.listen(LISTEN_BACKLOG)
+    await _start_or_stop(lifecycle, serving, close_backend)  # card, then serve_endpoint
+    await admin.server.start()
+    _emit({"event": "ready", "port": None, "admin_port": admin.server.port,
+           "pid": os.getpid(), "dynamo": dynamo, "signal_guard": signals.report().to_dict()})
+    admin.publish()
+    assert backend.serving is not None
+    requested = asyncio.ensure_future(shutdown.wait_requested())
+    await asyncio.wait({backend.serving, requested}, return_when=asyncio.FIRST_COMPLETED)
+    signalled = requested.done()
+    requested.cancel()
+    admin.leaving()
+    if as_shipped or not signalled:
+        code = await _after_serving(backend, lifecycle, serving, admin.server)
+    else:
+        async def close() -> None:
+            await asyncio.gather(close_backend(), admin.server.stop())
+
+        report = await shutdown.run(close=close)
+        _emit({"event": "exit", **report.to_dict()})
+        code = report.exit_code
+    if gpu_quiet is not None:
+        await gpu_quiet.aclose()
+    return code
+
+
+async def _after_serving(backend: DynamoBackend, lifecycle: Lifecycle, serving: SimServing,
+                         admin: EmbeddedServer) -> int:
+    """``serve_endpoint`` returned: after Dynamo's own helper (it set ``shutdown_event``,
+    then shut the runtime down), or on its own (a failure). Stop the rest and report."""
+    helper_ran = backend.shutdown_event.is_set()
+    await backend.close(1.0)  # returned already: reads how it ended
+    await lifecycle.stop()
+    await serving.control.shutdown()
+    await admin.stop()
+    if not helper_ran:
+        error = backend.serving.exception() if backend.serving is not None and \
+            backend.serving.done() and not backend.serving.cancelled() else None
+        log.error("Dynamo's runtime stopped serving without a signal: %r", error)
+        _emit({"event": "exit", "outcome": "worker_failed", "error": repr(error),
+               "exit_code": EXIT_WORKER_FAILED})
+        return EXIT_WORKER_FAILED
+    requests = lifecycle.gate.outcomes()
+    lost = requests.lost + lifecycle.gate.inflight
+    code = EXIT_LOST if lost else EXIT_CLEAN
+    _emit({"event": "exit", "shutdown": "dynamo", "outcome": "lost" if lost else "ended",
+           "drained": False, "lost_requests": lost, "requests": requests.to_dict(),
+           "exit_code": code})
+    return code
 
 
 def serve_main(args: argparse.Namespace) -> int:
