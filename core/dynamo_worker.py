@@ -46,7 +46,8 @@ import sys
 from collections.abc import Sequence
 
 from quiesce.adapters.dynamo import DynamoDiscovery
-from quiesce.adapters.dynamo.components import ComponentDiscovery, component_for
+from quiesce.adapters.dynamo.components import component_for
+from quiesce.adapters.dynamo.model_card import ModelCardDiscovery
 from quiesce.admission import AdmissionGate
 from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError, EngineNotInstalled
@@ -100,8 +101,8 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
                signals: SignalOwnership) -> int:
     gate = AdmissionGate(accepting=False)  # opened when the model is registered
     component = component_for(args.component, gate)
-    discovery = ComponentDiscovery(component,
-                                   DynamoDiscovery(component.endpoints, registered=False))
+    discovery = ModelCardDiscovery(DynamoDiscovery(component.endpoints, registered=False),
+                                   lambda: component.model)
     lifecycle = Lifecycle(gate=gate, probe=component.probe, discovery=discovery,
                           config=drain_config)
     shutdown = Shutdown(lifecycle, component.control, policy, signals=signals)
@@ -121,7 +122,7 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
     async def on_ready() -> None:
         # Dynamo registered the model and serves the endpoints next (serve_endpoint
         # registers the instances): admission opens, then the admin API listens.
-        discovery.served()
+        discovery.served(card=True)
         await lifecycle.start()
         admin_socket.listen(LISTEN_BACKLOG)
         await admin.start()

@@ -271,6 +271,21 @@ class _Admin:
             self.publishing.cancel()
 
 
+def _signalled_meanwhile(shutdown: Shutdown) -> bool:
+    """``shutdown.requested``, read again after an await (a signal may have come)."""
+    return shutdown.requested
+
+
+def _closer(*sockets: socket.socket) -> Cleanup:
+    """Closes listening sockets no server took over (what waits in their backlog is
+    refused: it was never admitted)."""
+    async def close() -> None:
+        for sock in sockets:
+            sock.close()
+
+    return close
+
+
 async def _stop_without_serving(shutdown: Shutdown, close: Cleanup | None = None) -> int:
     log.warning("signalled during start-up: stopping without serving")
     report = await shutdown.run(close=close)
@@ -312,6 +327,8 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     for sock in (api_socket, admin_socket):
         sock.listen(LISTEN_BACKLOG)
     await _start_or_stop(lifecycle, serving)
+    if _signalled_meanwhile(shutdown):  # while it registered: unregister, never serve
+        return await _stop_without_serving(shutdown, close=_closer(api_socket, admin_socket))
     await api.start()
     await admin.server.start()
     _emit({"event": "ready", "port": api.port, "admin_port": admin.server.port,

@@ -8,8 +8,9 @@
 - ``trtllm`` — :class:`~.trtllm_component.TrtllmComponent`
 
 What they share (the shutdown recorder, the probe before and after the engine, the
-model card, discovery, the control) is in :mod:`.component` and
-:mod:`.component_discovery`; what each hooks, in its own module's docstring.
+model card, the control) is in :mod:`.component`; discovery (the model card, then the
+endpoint instances) is :class:`~.model_card.ModelCardDiscovery`; what each hooks, in its
+own module's docstring.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from quiesce.admission import AdmissionGate
 from quiesce.errors import ConfigError
 
 from .component import ComponentControl, DynamoComponent, EngineProbe, ModelRegistration
-from .component_discovery import ComponentDiscovery
 from .sglang_component import SglangComponent
 from .trtllm_component import TrtllmComponent
 from .vllm_component import VllmComponent
@@ -42,6 +42,6 @@ def component_for(name: str, gate: AdmissionGate,
     return cls(gate, on_ready)
 
 
-__all__ = ["COMPONENTS", "ComponentControl", "ComponentDiscovery", "DynamoComponent",
+__all__ = ["COMPONENTS", "ComponentControl", "DynamoComponent",
            "EngineProbe", "ModelRegistration", "SglangComponent", "TrtllmComponent",
            "VllmComponent", "component_for"]

@@ -11,9 +11,9 @@ of discovery only once both are gone. :class:`ModelCardDiscovery` is that pair a
 - ``register()``: the card first, then the instances — Dynamo's own start order (a card
   without an instance draws no request; the instance then does).
 
-It is the generalization of ``components.ComponentDiscovery`` (which is tied to
-``VllmComponent``): the card is whatever ``card()`` returns when a call runs (``None``:
-no card yet, only the instances count), so any worker that registers a model can use it.
+The card is whatever ``card()`` returns when a call runs (``None``: no card yet, only the
+instances count), so any worker that registers a model uses it: ``quiesce dynamo``'s
+components (:mod:`.components`) and ``quiesce serve --dynamo`` (:mod:`.backend`).
 
 Failure behaviour: each card call is bounded by ``rpc_timeout_s`` (and the caller's
 deadline); a failure or timeout raises :class:`~quiesce.discovery.DiscoveryUnavailable`

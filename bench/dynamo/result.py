@@ -11,7 +11,11 @@ worker scaled down as the kubelet does it (:mod:`.run`):
   its model: nowhere to migrate), requests arriving only before it leaves;
 - ``prefill_dynamo_default`` / ``prefill_dynamo_migration`` / ``prefill_quiesce``: a
   disaggregated pair (prefill and decode ``dynamo.vllm``, KV over NIXL on the CPU), the
-  prefill worker scaled down while its decoder still has KV to pull from it.
+  prefill worker scaled down while its decoder still has KV to pull from it;
+- ``scale_dynamo_default`` / ``scale_quiesce``: the field report's scale (8 req/s, about
+  1,500 requests, four workers) with the reference worker registered as a Dynamo backend
+  (``quiesce serve --dynamo``, its simulated engine behind the real frontend), shut down
+  by Dynamo's own helper or by quiesce (:mod:`.scale`).
 
 An arm that did not judge every planned request once is void: it gets no figures, and
 the notes say why (every arm void: the benchmark raises).
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.dynamo.run import Arm, ArmRun, DynamoReplayConfig, run_arm
+from bench.dynamo.scale import MODES, ScaleConfig, ScaleRun, run_scale
 from bench.results_format import Result
 
 NAME = "dynamo_replay"
@@ -33,7 +38,8 @@ HEADLINE = ("sent", "dynamo_default_failed", "dynamo_migration_failed",
             "dynamo_migration_recomputed_tokens", "quiesce_failed",
             "quiesce_recomputed_tokens", "no_migration_target_dynamo_failed",
             "no_migration_target_quiesce_failed", "prefill_dynamo_failed",
-            "prefill_quiesce_failed")
+            "prefill_quiesce_failed", "scale_sent", "scale_dynamo_default_failed",
+            "scale_quiesce_failed")
 ARMS: tuple[Arm, ...] = (
     Arm("dynamo_default", quiesce=False),
     Arm("dynamo_migration", quiesce=False, migration_limit=3),
@@ -49,6 +55,8 @@ RESULT_NAMES = {"no_target_dynamo_migration": "no_migration_target_dynamo",
                 "no_target_quiesce": "no_migration_target_quiesce",
                 "prefill_dynamo_default": "prefill_dynamo"}
 """Arm → the prefix of its metrics in the result (the names issue 17 asks for)."""
+SCALE_ARMS = {f"scale_{mode}": mode for mode in MODES}
+"""The field report's scale (:mod:`.scale`): arm name → its mode."""
 
 
 def _tiny_model(directory: Path) -> Path:
@@ -57,7 +65,7 @@ def _tiny_model(directory: Path) -> Path:
     return build_tiny_llama(directory)
 
 
-def _metrics(runs: dict[str, ArmRun]) -> dict[str, float]:
+def _metrics(runs: dict[str, ArmRun], scale: dict[str, ScaleRun]) -> dict[str, float]:
     metrics: dict[str, float] = {}
     two_worker = [r for r in runs.values() if r.arm.workers == 2 and not r.arm.disaggregated]
     if two_worker:
@@ -73,38 +81,72 @@ def _metrics(runs: dict[str, ArmRun]) -> dict[str, float]:
             metrics[f"{prefix}_victim_signal_to_exit_s"] = run.victim_signal_to_exit_s
         if run.p99_e2e_s_in_flight is not None:
             metrics[f"{prefix}_p99_e2e_s_in_flight"] = run.p99_e2e_s_in_flight
+    for name, found in scale.items():
+        metrics["scale_sent"] = found.sent
+        metrics[f"{name}_failed"] = found.failed
+        metrics[f"{name}_missed_by_aiperf"] = found.missed_by_aiperf
+        metrics[f"{name}_victim_signal_to_exit_s"] = round(found.victim_signal_to_exit_s, 3)
     return metrics
 
 
-def run(names: Sequence[str] | None = None,
-        config: DynamoReplayConfig | None = None) -> Result:
-    config = config or DynamoReplayConfig()
-    chosen = [arm for arm in ARMS if names is None or arm.name in names]
-    unknown = set(names or ()) - {arm.name for arm in ARMS}
-    if unknown:
-        raise ValueError(f"unknown arm(s) {sorted(unknown)}; one of "
-                         f"{[arm.name for arm in ARMS]}")
+def _run_arms(chosen: Sequence[Arm], config: DynamoReplayConfig, tmp: Path, model: Path,
+              void: dict[str, str]) -> dict[str, ArmRun]:
     runs: dict[str, ArmRun] = {}
+    for arm in chosen:
+        try:
+            found = asyncio.run(run_arm(arm, config, tmp / arm.name, model))
+        except RuntimeError as exc:  # an arm that could not run counts for nothing
+            void[arm.name] = str(exc)
+            print(f"dynamo replay {arm.name}: void: {exc}", file=sys.stderr)
+            continue
+        print(f"dynamo replay {arm.name}: {found.failed} of {found.sent} failed, "
+              f"{found.migrated} migrated", file=sys.stderr)
+        if found.complete:
+            runs[arm.name] = found
+        else:
+            void[arm.name] = (f"{found.sent} of {found.planned} requests judged: "
+                              f"{found.to_dict()}")
+    return runs
+
+
+def _run_scale(chosen: Sequence[str], config: ScaleConfig, tmp: Path, model: Path,
+               void: dict[str, str]) -> dict[str, ScaleRun]:
+    runs: dict[str, ScaleRun] = {}
+    for name in chosen:
+        try:
+            found = asyncio.run(run_scale(SCALE_ARMS[name], tmp / name, model, config))
+        except RuntimeError as exc:
+            void[name] = str(exc)
+            print(f"dynamo replay {name}: void: {exc}", file=sys.stderr)
+            continue
+        print(f"dynamo replay {name}: {found.failed} of {found.sent} failed",
+              file=sys.stderr)
+        if found.complete:
+            runs[name] = found
+        else:
+            void[name] = f"{found.sent} of {found.planned} requests judged: {found.to_dict()}"
+    return runs
+
+
+def run(names: Sequence[str] | None = None, config: DynamoReplayConfig | None = None,
+        scale_config: ScaleConfig | None = None) -> Result:
+    """Every arm (or the ``names`` given) in turn; ValueError for an unknown name."""
+    config = config or DynamoReplayConfig()
+    scale_config = scale_config or ScaleConfig()
+    known = [arm.name for arm in ARMS] + list(SCALE_ARMS)
+    unknown = set(names or ()) - set(known)
+    if unknown:
+        raise ValueError(f"unknown arm(s) {sorted(unknown)}; one of {known}")
     void: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="quiesce-dynamo-replay-") as tmp:
         model = _tiny_model(Path(tmp) / "model")
-        for arm in chosen:
-            try:
-                found = asyncio.run(run_arm(arm, config, Path(tmp) / arm.name, model))
-            except RuntimeError as exc:  # an arm that could not run counts for nothing
-                void[arm.name] = str(exc)
-                print(f"dynamo replay {arm.name}: void: {exc}", file=sys.stderr)
-                continue
-            print(f"dynamo replay {arm.name}: {found.failed} of {found.sent} failed, "
-                  f"{found.migrated} migrated", file=sys.stderr)
-            if found.complete:
-                runs[arm.name] = found
-            else:
-                void[arm.name] = (f"{found.sent} of {found.planned} requests judged: "
-                                  f"{found.to_dict()}")
-    if not runs:
+        runs = _run_arms([arm for arm in ARMS if names is None or arm.name in names],
+                         config, Path(tmp), model, void)
+        scale = _run_scale([name for name in SCALE_ARMS if names is None or name in names],
+                           scale_config, Path(tmp), model, void)
+    if not runs and not scale:
         raise RuntimeError(f"every arm of the Dynamo replay is void: {void}")
-    metrics = _metrics(runs)
+    metrics = _metrics(runs, scale)
     notes = [
         "A request failed when its HTTP status was not 200, any SSE event carried an "
         "error, no finish_reason came, [DONE] did not come, or it got fewer tokens than "
@@ -117,10 +159,19 @@ def run(names: Sequence[str] | None = None,
         "recomputed_tokens: per migration, the tokens the client already had "
         "(migration.tokens_completed in the frontend's log) plus the prompt, estimated "
         "from the trace's mean input length.",
-        "Not run yet: the disaggregated prefill arm (prefill_dynamo_failed, "
-        "prefill_quiesce_failed) and the field report's scale with the reference worker "
-        "as a Dynamo backend (scale_sent, scale_dynamo_default_failed, "
-        "scale_quiesce_failed): absent from the metrics.",
+        "Disaggregated arms (prefill_*): a prefill and a decode dynamo.vllm with vLLM's "
+        "NixlConnector (NIXL's UCX backend on the CPU) and --max-num-seqs 2 on the "
+        "decoder, at disaggregated_rate_rps for scale_down_at_s (arrivals stop when the "
+        "prefill worker, the only one, leaves); vLLM 0.31 fails a request whose KV pull "
+        "fails. Arms with no migration target (no_migration_target_*): one worker, "
+        "arrivals only before it leaves.",
+        "Scale arms (scale_*): the reference worker as a Dynamo backend (quiesce serve "
+        "--dynamo, simulated engine, Dynamo's real model card, endpoint and frontend), "
+        "four workers, one scaled down; dynamo_default runs Dynamo 1.6.1's own "
+        "graceful-shutdown helper in that worker (--dynamo-shutdown dynamo). "
+        "missed_by_aiperf: lost requests aiperf itself counted as successes.",
+        "Every arm starts with a warm-up (three rounds of four short requests through the "
+        "frontend) so that no arm's first requests meet cold engines.",
         "2-core VM shared by every process: timings are upper bounds.",
     ]
     notes += [f"Void, no figures: {name}: {why[:600]}" for name, why in void.items()]
@@ -135,6 +186,17 @@ def run(names: Sequence[str] | None = None,
                     "output_lengths": [config.output_lengths.low,
                                        config.output_lengths.high],
                     "step_s": config.step_s, "seed": config.seed,
-                    "runs": {name: r.to_dict() for name, r in runs.items()},
+                    "disaggregated_rate_rps": config.disaggregated_rate_rps,
+                    "disaggregated_output_lengths": [
+                        config.disaggregated_output_lengths.low,
+                        config.disaggregated_output_lengths.high],
+                    "scale": {"rate_rps": scale_config.rate_rps,
+                              "load_s": scale_config.load_s,
+                              "scale_down_at_s": scale_config.scale_down_at_s,
+                              "workers": scale_config.workers,
+                              "decode_step_s": scale_config.decode_step_s,
+                              "budget_s": scale_config.budget_s},
+                    "runs": {**{name: r.to_dict() for name, r in runs.items()},
+                             **{name: r.to_dict() for name, r in scale.items()}},
                     "void": void},
         notes=notes)

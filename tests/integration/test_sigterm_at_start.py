@@ -170,10 +170,6 @@ async def test_a_sigterm_during_registration_ends_drained_and_unlisted() -> None
     assert "w-registering" not in ended.listed, ended.listed
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core/worker.py: a SIGTERM taken while the first registration runs is acted on only "
-    "after it: the worker starts its servers, prints ready and admits for the router "
-    "grace, then drains (its docstring: signalled before ready, it never serves)"))
 async def test_a_sigterm_during_registration_never_serves() -> None:
     """What the worker's docstring promises: signalled before ``ready``, it never serves."""
     ended = await _sigterm_during_registration()

@@ -24,10 +24,10 @@ from quiesce import cli
 from quiesce.adapters.dynamo import DynamoDiscovery
 from quiesce.adapters.dynamo.components import (
     COMPONENTS,
-    ComponentDiscovery,
     SglangComponent,
     component_for,
 )
+from quiesce.adapters.dynamo.model_card import ModelCardDiscovery
 from quiesce.adapters.sglang import SglangProbe
 from quiesce.admission import AdmissionGate
 from quiesce.errors import ConfigError
@@ -397,8 +397,9 @@ async def test_the_model_card_comes_off_first_and_back_without_dynamos_engine_sh
     running = await start()
     component = running.component
     endpoint = served_endpoint(dynamo.runtime)
-    discovery = ComponentDiscovery(component, DynamoDiscovery(component.endpoints,
-                                                              registered=True))
+    discovery = ModelCardDiscovery(DynamoDiscovery(component.endpoints, registered=True),
+                                   lambda: component.model)
+    discovery.served(card=True)
     await discovery.unregister()
     assert dynamo.calls[-1] == ("unregister_model", endpoint) and endpoint.log == ["unregister"]
     first = [c for c in dynamo.calls if c[0] == "register_model"]
