@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from bench.dynamo.run import Arm, ArmRun, DynamoReplayConfig, run_arm
 from bench.dynamo.scale import MODES, ScaleConfig, ScaleRun, run_scale
@@ -89,33 +90,18 @@ def _metrics(runs: dict[str, ArmRun], scale: dict[str, ScaleRun]) -> dict[str, f
     return metrics
 
 
-def _run_arms(chosen: Sequence[Arm], config: DynamoReplayConfig, tmp: Path, model: Path,
-              void: dict[str, str]) -> dict[str, ArmRun]:
-    runs: dict[str, ArmRun] = {}
-    for arm in chosen:
+Found = TypeVar("Found", ArmRun, ScaleRun)
+
+
+def _run_each(names: Sequence[str], run_one: Callable[[str], Coroutine[Any, Any, Found]],
+              void: dict[str, str]) -> dict[str, Found]:
+    """Each named arm in turn; one that cannot run or did not judge every planned
+    request once goes to ``void`` with the reason, never into the figures."""
+    runs: dict[str, Found] = {}
+    for name in names:
         try:
-            found = asyncio.run(run_arm(arm, config, tmp / arm.name, model))
+            found = asyncio.run(run_one(name))
         except RuntimeError as exc:  # an arm that could not run counts for nothing
-            void[arm.name] = str(exc)
-            print(f"dynamo replay {arm.name}: void: {exc}", file=sys.stderr)
-            continue
-        print(f"dynamo replay {arm.name}: {found.failed} of {found.sent} failed, "
-              f"{found.migrated} migrated", file=sys.stderr)
-        if found.complete:
-            runs[arm.name] = found
-        else:
-            void[arm.name] = (f"{found.sent} of {found.planned} requests judged: "
-                              f"{found.to_dict()}")
-    return runs
-
-
-def _run_scale(chosen: Sequence[str], config: ScaleConfig, tmp: Path, model: Path,
-               void: dict[str, str]) -> dict[str, ScaleRun]:
-    runs: dict[str, ScaleRun] = {}
-    for name in chosen:
-        try:
-            found = asyncio.run(run_scale(SCALE_ARMS[name], tmp / name, model, config))
-        except RuntimeError as exc:
             void[name] = str(exc)
             print(f"dynamo replay {name}: void: {exc}", file=sys.stderr)
             continue
@@ -140,10 +126,13 @@ def run(names: Sequence[str] | None = None, config: DynamoReplayConfig | None = 
     void: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="quiesce-dynamo-replay-") as tmp:
         model = _tiny_model(Path(tmp) / "model")
-        runs = _run_arms([arm for arm in ARMS if names is None or arm.name in names],
-                         config, Path(tmp), model, void)
-        scale = _run_scale([name for name in SCALE_ARMS if names is None or name in names],
-                           scale_config, Path(tmp), model, void)
+        arms = {arm.name: arm for arm in ARMS if names is None or arm.name in names}
+        runs = _run_each(list(arms), lambda name: run_arm(
+            arms[name], config, Path(tmp) / name, model), void)
+        scale = _run_each(
+            [name for name in SCALE_ARMS if names is None or name in names],
+            lambda name: run_scale(SCALE_ARMS[name], Path(tmp) / name, model, scale_config),
+            void)
     if not runs and not scale:
         raise RuntimeError(f"every arm of the Dynamo replay is void: {void}")
     metrics = _metrics(runs, scale)
@@ -171,7 +160,14 @@ def run(names: Sequence[str] | None = None, config: DynamoReplayConfig | None = 
         "graceful-shutdown helper in that worker (--dynamo-shutdown dynamo). "
         "missed_by_aiperf: lost requests aiperf itself counted as successes.",
         "Every arm starts with a warm-up (three rounds of four short requests through the "
-        "frontend) so that no arm's first requests meet cold engines.",
+        "frontend) so that no arm's first requests meet cold engines; the scale-down is "
+        "timed from aiperf's first request.",
+        "Dynamo's grace setting (DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS) is never "
+        "inherited: as shipped waits its default 5 s; quiesce dynamo's router grace is "
+        "its own default (1 s, then until 2 s pass without a request).",
+        "Disaggregated arms record the quiesce victim's pending work just before the "
+        "scale-down (victim_pending_work_at_scale_down: kv_sends_held) and the decoder's "
+        "failed KV pulls (decoder_kv_pull_failures).",
         "2-core VM shared by every process: timings are upper bounds.",
     ]
     notes += [f"Void, no figures: {name}: {why[:600]}" for name, why in void.items()]

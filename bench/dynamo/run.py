@@ -33,11 +33,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from bench.dynamo.common import first_request, keep_logs, victim_dict, warm_up
 from bench.replay import aiperf
 from bench.stats import percentile
 from tests.integration.dynamo.disagg import disagg_args, disagg_env
 from tests.integration.dynamo.processes import (
-    Frontend,
     frontend,
     quiesce_worker,
     shipped_worker,
@@ -45,12 +47,7 @@ from tests.integration.dynamo.processes import (
     wait_for_model,
     write_template,
 )
-from tests.integration.worker_process import (
-    Worker,
-    kubelet_delete,
-    prestop_command,
-    stream_completion,
-)
+from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
 
 GRACE_S = 120.0
 """terminationGracePeriodSeconds of the victim's pod (SIGKILL after it)."""
@@ -65,8 +62,7 @@ on two cores: long streams, as the field report's reasoning requests were, most 
 on the victim outlive a fixed 5 s grace (with 120-260 tokens, 0 to 2 of 14 did, run to
 run, and the arms compared little)."""
 DISAGGREGATED_OUTPUT_LENGTHS = aiperf.UniformLengths(40, 80)
-WARM_UP_ROUNDS = 3
-WARM_UP_CONCURRENCY = 4
+PULL_FAILURE = "NIXL_ERR_REMOTE_DISCONNECT"
 MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)"
                        r".*?x_request_id\S*?=\S*?\"?([0-9a-f-]+)")
 
@@ -133,10 +129,11 @@ class ArmRun:
     """Requests the frontend tried to migrate that failed anyway (no worker to take them,
     or the new worker failed too): recomputed nothing that reached the client."""
     generated_tokens_recomputed: int
-    """``migration.tokens_completed`` summed over the migrations of ``migrated``."""
+    """``migration.tokens_completed`` summed over every migration attempt of ``migrated``."""
     prompt_tokens_recomputed: int
-    """The migrated requests' prompts, estimated from the trace's mean input length (a
-    request's prompt length is in neither aiperf's export nor the frontend's log)."""
+    """The migrated requests' prompts, once per attempt, estimated from the trace's mean
+    input length (a request's prompt length is in neither aiperf's export nor the
+    frontend's log)."""
     p99_e2e_s_in_flight: float | None
     """p99 end-to-end latency of the requests in flight when the scale-down began."""
     victim_exit_code: int | None
@@ -145,13 +142,18 @@ class ArmRun:
     victim_report: dict[str, Any] | None
     aiperf_rc: int | None
     wall_s: float
+    victim_held: dict[str, Any] | None = None
+    """A quiesce prefill victim's ``pending_work`` (its status) just before the scale-down:
+    shows that it held KV for its decoder then (``kv_sends_held``)."""
+    decoder_kv_pull_failures: int | None = None
+    """Disaggregated arms: the decoder's failed KV pulls (``NIXL_ERR_REMOTE_DISCONNECT``
+    lines in its log)."""
 
     @property
     def recomputed_tokens(self) -> int:
         return self.generated_tokens_recomputed + self.prompt_tokens_recomputed
 
     def to_dict(self) -> dict[str, object]:
-        report = self.victim_report or {}
         return {"arm": dataclasses.asdict(self.arm), "planned": self.planned,
                 "sent": self.sent, "failed": self.failed, "failures": self.failures,
                 "complete": self.complete, "migrated": self.migrated,
@@ -160,11 +162,10 @@ class ArmRun:
                 "generated_tokens_recomputed": self.generated_tokens_recomputed,
                 "prompt_tokens_recomputed_estimate": self.prompt_tokens_recomputed,
                 "p99_e2e_s_in_flight_at_scale_down": self.p99_e2e_s_in_flight,
-                "victim": {"exit_code": self.victim_exit_code,
-                           "prestop_code": self.victim_prestop_code,
-                           "signal_to_exit_s": self.victim_signal_to_exit_s,
-                           "outcome": report.get("outcome"),
-                           "lost_requests": report.get("lost_requests")},
+                "victim": victim_dict(self.victim_exit_code, self.victim_prestop_code,
+                                      self.victim_signal_to_exit_s, self.victim_report),
+                "victim_pending_work_at_scale_down": self.victim_held,
+                "decoder_kv_pull_failures": self.decoder_kv_pull_failures,
                 "aiperf_rc": self.aiperf_rc, "wall_s": round(self.wall_s, 1)}
 
 
@@ -193,26 +194,24 @@ def _workers(arm: Arm, store: Path, model: Path, template: Path, step_s: float
         yield [stack.enter_context(_worker(arm, store, args)) for _ in range(arm.workers)]
 
 
-def _keep_logs(workdir: Path, front: Frontend, workers: list[Worker]) -> None:
-    """Every process's output beside aiperf's artifacts (``frontend.log``, ``worker-N.log``)."""
-    (workdir / "frontend.log").write_text("".join(front.process.lines))
-    for index, worker in enumerate(workers):
-        (workdir / f"worker-{index}.log").write_text("".join(worker.lines))
-
-
-def _first_request_seen(front: Frontend, after: int) -> bool:
-    """The frontend logged a request after its first ``after`` lines (the warm-up's)."""
-    return any("request received" in line for line in front.process.lines[after:])
-
-
-def _migrations(front: Frontend) -> dict[str, int]:
-    """Per request (aiperf's ``X-Request-ID``), the tokens its client already had summed
-    over its migration attempts, from the frontend's log."""
-    tokens: dict[str, int] = {}
-    for line in front.process.lines:
+def migrations(lines: list[str]) -> dict[str, tuple[int, int]]:
+    """Per request (aiperf's ``X-Request-ID``) in a frontend's log: its migration attempts,
+    and the tokens its client already had summed over them."""
+    found: dict[str, tuple[int, int]] = {}
+    for line in lines:
         if m := MIGRATION.search(re.sub(r"\x1b\[[0-9;]*m", "", line)):
-            tokens[m.group(2)] = tokens.get(m.group(2), 0) + int(m.group(1))
-    return tokens
+            attempts, tokens = found.get(m.group(2), (0, 0))
+            found[m.group(2)] = (attempts + 1, tokens + int(m.group(1)))
+    return found
+
+
+def _held_at_scale_down(victim: Worker) -> dict[str, Any] | None:
+    """The victim's ``pending_work`` from its admin API (None if it did not answer)."""
+    try:
+        pending = victim.status().get("pending_work")
+    except (httpx.HTTPError, ValueError):
+        return None
+    return pending if isinstance(pending, dict) else None
 
 
 def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path
@@ -227,22 +226,6 @@ def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path
     return trace, records, template
 
 
-async def _warm_up(url: str, model: str) -> None:
-    """A few rounds of concurrent short requests through the frontend before the load: a
-    vLLM engine on the CPU takes seconds over its first forward passes (the prefill
-    worker of a pair answered none of its first requests within 9 s when the load hit it
-    cold), which would otherwise land on whichever requests come first in every arm."""
-    for round_ in range(WARM_UP_ROUNDS):
-        results = await asyncio.gather(*(
-            stream_completion(url, 4, prompt="warm up " * (4 + 6 * index + round_),
-                              model=model, ignore_eos=True, include_usage=True,
-                              timeout_s=LOAD_START_TIMEOUT_S)
-            for index in range(WARM_UP_CONCURRENCY)))
-        failed = [r for r in results if not r.complete]
-        if failed:
-            raise RuntimeError(f"a warm-up request failed: {failed[0]}")
-
-
 async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Path) -> ArmRun:
     """Run ``arm`` once (module docstring); aiperf's artifacts go to ``workdir``."""
     started = time.monotonic()
@@ -250,20 +233,16 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
     with frontend(workdir / "store", migration_limit=arm.migration_limit) as front, \
             _workers(arm, workdir / "store", model, template, config.step_s) as workers:
         await asyncio.to_thread(wait_for_model, front.url, str(model))
-        await _warm_up(front.url, str(model))
+        await warm_up(front.url, str(model), LOAD_START_TIMEOUT_S)
         warmed_up = len(front.process.lines)
         load = asyncio.create_task(aiperf.run_aiperf(
             front.url, str(model), trace, workdir / "aiperf", failed_request_threshold=None,
             timeout_s=LOAD_START_TIMEOUT_S + config.load_s * 4 + GRACE_S))
         try:
-            deadline = time.monotonic() + LOAD_START_TIMEOUT_S
-            while not _first_request_seen(front, warmed_up) and not load.done():
-                if time.monotonic() > deadline:
-                    raise RuntimeError("aiperf sent no request within "
-                                       f"{LOAD_START_TIMEOUT_S:g}s")
-                await asyncio.sleep(0.05)
+            await first_request(front, load, LOAD_START_TIMEOUT_S, after=warmed_up)
             await asyncio.sleep(config.scale_down_at_s)
             victim = workers[0]
+            held = _held_at_scale_down(victim) if arm.disaggregated and arm.quiesce else None
             scale_down_wall_ns = time.time_ns()
             signal_at = time.monotonic()
             prestop = (prestop_command(victim, GRACE_S, PRESTOP_MARGIN_S) if arm.quiesce
@@ -276,8 +255,10 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
                 load.cancel()  # kills aiperf's process group
                 with contextlib.suppress(asyncio.CancelledError):
                     await load
-        migrations = _migrations(front)
-        _keep_logs(workdir, front, workers)
+        migrated_requests = migrations(front.process.lines)
+        keep_logs(workdir, front, workers)
+        pull_failures = (sum(PULL_FAILURE in line for line in workers[1].lines)
+                         if arm.disaggregated else None)
     if not run.raw_export.is_file():  # aiperf failed or was killed: nothing to judge
         log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
         raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
@@ -290,18 +271,21 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
                  and o.start_ns <= scale_down_wall_ns <= o.end_ns]
     mean_prompt = sum(r["input_length"] for r in records) / max(1, len(records))
     ended_well = {o.request_id for o in outcomes if not o.reasons}
-    migrated = {rid: tokens for rid, tokens in migrations.items() if rid in ended_well}
+    migrated = {rid: found for rid, found in migrated_requests.items() if rid in ended_well}
     return ArmRun(arm=arm, planned=len(records), sent=summary["sent"],
                   failed=summary["failed"], failures=summary["failures"],
                   complete=(summary["sent"] == len(records) and len(set(ids)) == len(ids)
                             and not run.timed_out),
-                  migrated=len(migrated), migration_failed=len(migrations) - len(migrated),
-                  generated_tokens_recomputed=sum(migrated.values()),
-                  prompt_tokens_recomputed=round(len(migrated) * mean_prompt),
+                  migrated=len(migrated),
+                  migration_failed=len(migrated_requests) - len(migrated),
+                  generated_tokens_recomputed=sum(tokens for _, tokens in migrated.values()),
+                  prompt_tokens_recomputed=round(
+                      sum(attempts for attempts, _ in migrated.values()) * mean_prompt),
                   p99_e2e_s_in_flight=(round(percentile(in_flight, 99), 3) if in_flight
                                        else None),
                   victim_exit_code=deletion.exit_code,
                   victim_prestop_code=deletion.prestop_code,
                   victim_signal_to_exit_s=round(removal_s, 3),
                   victim_report=deletion.report, aiperf_rc=run.returncode,
-                  wall_s=time.monotonic() - started)
+                  wall_s=time.monotonic() - started, victim_held=held,
+                  decoder_kv_pull_failures=pull_failures)

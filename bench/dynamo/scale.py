@@ -38,9 +38,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench.dynamo.common import first_request, keep_logs, victim_dict, warm_up
 from bench.replay import aiperf
 from bench.replay.run import OUTPUT_LENGTHS
-from tests.integration.dynamo.processes import Frontend, frontend, wait_for_model
+from tests.integration.dynamo.processes import frontend, wait_for_model
 from tests.integration.dynamo.reference import reference_worker
 from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
 
@@ -127,15 +128,11 @@ class ScaleRun:
     wall_s: float
 
     def to_dict(self) -> dict[str, object]:
-        report = self.victim_report or {}
         return {"mode": self.mode, "planned": self.planned, "sent": self.sent,
                 "failed": self.failed, "failures": self.failures, "complete": self.complete,
                 "missed_by_aiperf": self.missed_by_aiperf,
-                "victim": {"exit_code": self.victim_exit_code,
-                           "prestop_code": self.victim_prestop_code,
-                           "signal_to_exit_s": self.victim_signal_to_exit_s,
-                           "outcome": report.get("outcome"),
-                           "lost_requests": report.get("lost_requests")},
+                "victim": victim_dict(self.victim_exit_code, self.victim_prestop_code,
+                                      self.victim_signal_to_exit_s, self.victim_report),
                 "aiperf_rc": self.aiperf_rc, "wall_s": round(self.wall_s, 1)}
 
 
@@ -146,23 +143,6 @@ def _workers(mode: str, store: Path, model: Path, config: ScaleConfig) -> Iterat
         yield [stack.enter_context(reference_worker(
             store, model, shutdown=MODES[mode], budget_s=config.budget_s,
             decode_step_s=config.decode_step_s)) for _ in range(config.workers)]
-
-
-def _keep_logs(workdir: Path, front: Frontend, workers: list[Worker]) -> None:
-    """Every process's output beside aiperf's artifacts (``frontend.log``, ``worker-N.log``)."""
-    (workdir / "frontend.log").write_text("".join(front.process.lines))
-    for index, worker in enumerate(workers):
-        (workdir / f"worker-{index}.log").write_text("".join(worker.lines))
-
-
-async def _first_request(front: Frontend, load: asyncio.Task[aiperf.AiperfRun]) -> None:
-    deadline = time.monotonic() + LOAD_START_TIMEOUT_S
-    while not any("request received" in line for line in front.process.lines):
-        if load.done():
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"aiperf sent no request within {LOAD_START_TIMEOUT_S:g}s")
-        await asyncio.sleep(0.05)
 
 
 async def run_scale(mode: str, workdir: Path, model: Path,
@@ -195,11 +175,13 @@ async def run_scale(mode: str, workdir: Path, model: Path,
                                  output_lengths=config.output_lengths)
     with frontend(store) as front, _workers(mode, store, model, config) as workers:
         await asyncio.to_thread(wait_for_model, front.url, str(model))
+        await warm_up(front.url, str(model), LOAD_START_TIMEOUT_S)
+        warmed_up = len(front.process.lines)
         load = asyncio.create_task(aiperf.run_aiperf(
             front.url, str(model), trace, workdir / "aiperf", failed_request_threshold=None,
             timeout_s=LOAD_START_TIMEOUT_S + config.load_s * 3 + config.grace_s))
         try:
-            await _first_request(front, load)
+            await first_request(front, load, LOAD_START_TIMEOUT_S, after=warmed_up)
             await asyncio.sleep(config.scale_down_at_s)
             victim = workers[0]
             hook = (prestop_command(victim, config.grace_s, config.prestop_margin_s)
@@ -213,7 +195,7 @@ async def run_scale(mode: str, workdir: Path, model: Path,
                 load.cancel()  # kills aiperf's process group
                 with contextlib.suppress(asyncio.CancelledError):
                     await load
-            _keep_logs(workdir, front, workers)
+            keep_logs(workdir, front, workers)
     if not run.raw_export.is_file():
         log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
         raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "

@@ -27,6 +27,8 @@ from tests.integration.worker_process import TOKEN, Worker, json_events, running
 REPO = Path(__file__).resolve().parents[3]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 """Dynamo's frontend requires a chat template; the tiny test model has none."""
+GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
+"""Dynamo's own setting of its graceful-shutdown helper's grace (5 s unless set)."""
 STEP_S = 0.02
 """Each engine step takes at least this long (tests/integration/vllm/paced_connector.py),
 so that a stream of N tokens lasts about N × STEP_S seconds."""
@@ -39,8 +41,11 @@ def free_port() -> int:
 
 
 def dynamo_env(store: Path) -> dict[str, str]:
-    """The environment of every Dynamo process of one test cluster."""
-    return {**os.environ, **LOOPBACK_ENV, "DYN_FILE_KV": str(store),
+    """The environment of every Dynamo process of one test cluster. Dynamo's grace
+    setting is never inherited (:data:`GRACE_ENV`): its helper waits its shipped 5 s, and
+    ``quiesce dynamo`` takes its own default, unless a test sets it."""
+    inherited = {name: value for name, value in os.environ.items() if name != GRACE_ENV}
+    return {**inherited, **LOOPBACK_ENV, "DYN_FILE_KV": str(store),
             "DYN_DISCOVERY_BACKEND": "file", "DYN_LOG": "info", "PYTHONUNBUFFERED": "1",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": "1", "QUIESCE_ADMIN_TOKEN": TOKEN,

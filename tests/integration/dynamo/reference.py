@@ -12,9 +12,6 @@ from pathlib import Path
 from tests.integration.dynamo.processes import dynamo_env, free_port
 from tests.integration.worker_process import Worker, running
 
-GRACE_ENV = "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS"
-"""Dynamo's own setting of its helper's grace (5 s unless set)."""
-
 
 @contextlib.contextmanager
 def reference_worker(store: Path, model: Path, *, shutdown: str = "quiesce",

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.integration.dynamo.processes import dynamo_env, exit_report, wait_for_model
-from tests.integration.dynamo.reference import GRACE_ENV, reference_worker
+from tests.integration.dynamo.processes import GRACE_ENV, dynamo_env, exit_report, wait_for_model
+from tests.integration.dynamo.reference import reference_worker
 from tests.integration.worker_process import StreamResult, stream_completion, tail
 
 STREAMS = 4
