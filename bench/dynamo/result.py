@@ -67,26 +67,35 @@ def _tiny_model(directory: Path) -> Path:
 
 
 def _metrics(runs: dict[str, ArmRun], scale: dict[str, ScaleRun]) -> dict[str, float]:
+    """Each arm's figures under its prefix (:data:`RESULT_NAMES`); ValueError if two
+    arms' names would give the same metric (one would overwrite the other)."""
     metrics: dict[str, float] = {}
+
+    def put(key: str, value: float) -> None:
+        if key in metrics:
+            raise ValueError(f"two arms give the metric {key!r}: rename one")
+        metrics[key] = value
+
     two_worker = [r for r in runs.values() if r.arm.workers == 2 and not r.arm.disaggregated]
     if two_worker:
-        metrics["sent"] = two_worker[0].sent
+        put("sent", two_worker[0].sent)
     for name, run in runs.items():
         prefix = RESULT_NAMES.get(name, name)
-        metrics[f"{prefix}_sent"] = run.sent
-        metrics[f"{prefix}_failed"] = run.failed
-        metrics[f"{prefix}_migrated"] = run.migrated
-        metrics[f"{prefix}_migration_failed"] = run.migration_failed
-        metrics[f"{prefix}_recomputed_tokens"] = run.recomputed_tokens
+        put(f"{prefix}_sent", run.sent)
+        put(f"{prefix}_failed", run.failed)
+        put(f"{prefix}_migrated", run.migrated)
+        put(f"{prefix}_migrated_then_failed", run.migration_failed)
+        put(f"{prefix}_recomputed_tokens", run.recomputed_tokens)
         if run.victim_signal_to_exit_s is not None:
-            metrics[f"{prefix}_victim_signal_to_exit_s"] = run.victim_signal_to_exit_s
+            put(f"{prefix}_victim_signal_to_exit_s", run.victim_signal_to_exit_s)
         if run.p99_e2e_s_in_flight is not None:
-            metrics[f"{prefix}_p99_e2e_s_in_flight"] = run.p99_e2e_s_in_flight
+            put(f"{prefix}_p99_e2e_s_in_flight", run.p99_e2e_s_in_flight)
+    if scale:
+        put("scale_sent", next(iter(scale.values())).sent)
     for name, found in scale.items():
-        metrics["scale_sent"] = found.sent
-        metrics[f"{name}_failed"] = found.failed
-        metrics[f"{name}_missed_by_aiperf"] = found.missed_by_aiperf
-        metrics[f"{name}_victim_signal_to_exit_s"] = round(found.victim_signal_to_exit_s, 3)
+        put(f"{name}_failed", found.failed)
+        put(f"{name}_missed_by_aiperf", found.missed_by_aiperf)
+        put(f"{name}_victim_signal_to_exit_s", round(found.victim_signal_to_exit_s, 3))
     return metrics
 
 

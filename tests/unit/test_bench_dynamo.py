@@ -35,3 +35,15 @@ def test_every_metric_issue_17_names_has_an_arm() -> None:
             continue
         stem = metric.removesuffix("_failed").removesuffix("_recomputed_tokens")
         assert stem in prefixes, metric
+
+
+def test_no_two_arms_give_the_same_metric() -> None:
+    """Every arm's metric names, with every suffix _metrics writes, are distinct (the
+    prefill arms once wrote prefill_dynamo_migration_failed twice)."""
+    suffixes = ("sent", "failed", "migrated", "migrated_then_failed", "recomputed_tokens",
+                "victim_signal_to_exit_s", "p99_e2e_s_in_flight")
+    names = [f"{RESULT_NAMES.get(arm.name, arm.name)}_{suffix}"
+             for arm in ARMS for suffix in suffixes]
+    names += [f"{name}_{suffix}" for name in SCALE_ARMS
+              for suffix in ("failed", "missed_by_aiperf", "victim_signal_to_exit_s")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
