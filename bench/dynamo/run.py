@@ -14,7 +14,7 @@ migrate); or a disaggregated pair (:mod:`tests.integration.dynamo.disagg`: a pre
 worker, the one scaled down, and a decode worker that pulls its KV over NIXL, slower
 than the load so that pulls queue).
 Every request is judged from aiperf's raw export by reading its stream to the end
-(:func:`bench.replay.aiperf.read_outcomes`). Migrations are read from the frontend's own
+(:func:`bench.replay.judge.read_outcomes`). Migrations are read from the frontend's own
 log (``migration retry scheduled``, with ``migration.tokens_completed``: the tokens the
 client already had, which the new worker recomputes with the prompt).
 
@@ -37,6 +37,8 @@ import httpx
 
 from bench.dynamo.common import first_request, keep_logs, victim_dict, warm_up
 from bench.replay import aiperf
+from bench.replay.judge import read_outcomes, summarize
+from bench.replay.trace import Phase, UniformLengths, write_trace
 from bench.stats import percentile
 from tests.integration.dynamo.disagg import disagg_args, disagg_env
 from tests.integration.dynamo.processes import (
@@ -55,14 +57,24 @@ QUIESCE_BUDGET_S = 60.0
 PRESTOP_MARGIN_S = 55.0
 """``quiesce prestop --margin``: above the worker's budget, as deploy/kubernetes says."""
 LOAD_START_TIMEOUT_S = 300.0
-INPUT_LENGTHS = aiperf.UniformLengths(8, 24)
-OUTPUT_LENGTHS = aiperf.UniformLengths(200, 400)
+<<<<<<< HEAD
+INPUT_LENGTHS = UniformLengths(8, 24)
+OUTPUT_LENGTHS = UniformLengths(200, 400)
 """At the paced step (0.02 s) a stream runs 4-8 s alone, longer with others in the batch
 on two cores: long streams, as the field report's reasoning requests were, most of those
 on the victim outlive a fixed 5 s grace (with 120-260 tokens, 0 to 2 of 14 did, run to
 run, and the arms compared little)."""
-DISAGGREGATED_OUTPUT_LENGTHS = aiperf.UniformLengths(40, 80)
+DISAGGREGATED_OUTPUT_LENGTHS = UniformLengths(40, 80)
 PULL_FAILURE = "NIXL_ERR_REMOTE_DISCONNECT"
+=======
+INPUT_LENGTHS = UniformLengths(8, 24)
+OUTPUT_LENGTHS = UniformLengths(120, 260)
+"""At the paced step (0.02 s) a stream runs 2.4-5.2 s alone, longer with others in the
+batch on two cores: most outlive a fixed 5 s grace once queued behind the load."""
+DISAGGREGATED_OUTPUT_LENGTHS = UniformLengths(40, 80)
+WARM_UP_ROUNDS = 3
+WARM_UP_CONCURRENCY = 4
+>>>>>>> house-splits
 MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)"
                        r".*?x_request_id\S*?=\S*?\"?([0-9a-f-]+)")
 
@@ -94,21 +106,21 @@ class DynamoReplayConfig:
     load_s: float = 12.0
     scale_down_at_s: float = 4.0
     disaggregated_rate_rps: float = 2.0
-    disaggregated_output_lengths: aiperf.UniformLengths = DISAGGREGATED_OUTPUT_LENGTHS
+    disaggregated_output_lengths: UniformLengths = DISAGGREGATED_OUTPUT_LENGTHS
     """Arrivals and lengths of the disaggregated arms: more than the decoder serves at once
     (``--max-num-seqs`` 2), so that requests wait in its queue with their KV still on the
     prefill worker, and short enough that the queue empties well within the budget."""
-    input_lengths: aiperf.UniformLengths = INPUT_LENGTHS
-    output_lengths: aiperf.UniformLengths = OUTPUT_LENGTHS
+    input_lengths: UniformLengths = INPUT_LENGTHS
+    output_lengths: UniformLengths = OUTPUT_LENGTHS
     step_s: float = 0.02
     seed: int = 1
 
-    def phases(self, arm: Arm) -> tuple[aiperf.Phase, ...]:
+    def phases(self, arm: Arm) -> tuple[Phase, ...]:
         duration = self.scale_down_at_s if arm.last_of_its_kind else self.load_s
         rate = self.disaggregated_rate_rps if arm.disaggregated else self.rate_rps
-        return (aiperf.Phase(rate, duration),)
+        return (Phase(rate, duration),)
 
-    def output_lengths_of(self, arm: Arm) -> aiperf.UniformLengths:
+    def output_lengths_of(self, arm: Arm) -> UniformLengths:
         return self.disaggregated_output_lengths if arm.disaggregated else self.output_lengths
 
 
@@ -220,9 +232,9 @@ def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path
     (workdir / "store").mkdir(parents=True, exist_ok=True)
     template = write_template(workdir)
     trace = workdir / "trace.jsonl"
-    records = aiperf.write_trace(trace, config.phases(arm), seed=config.seed,
-                                 input_lengths=config.input_lengths,
-                                 output_lengths=config.output_lengths_of(arm))
+    records = write_trace(trace, config.phases(arm), seed=config.seed,
+                          input_lengths=config.input_lengths,
+                          output_lengths=config.output_lengths_of(arm))
     return trace, records, template
 
 
@@ -263,8 +275,8 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
         log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
         raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
                            f"{run.timed_out}); its log ends:\n{log_tail}")
-    outcomes = aiperf.read_outcomes(run.raw_export)
-    summary = aiperf.summarize(outcomes)
+    outcomes = read_outcomes(run.raw_export)
+    summary = summarize(outcomes)
     ids = [o.request_id for o in outcomes]
     in_flight = [(o.end_ns - o.start_ns) / 1e9 for o in outcomes
                  if o.start_ns is not None and o.end_ns is not None
