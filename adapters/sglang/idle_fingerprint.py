@@ -36,6 +36,13 @@ TESTED_IDLE_FINGERPRINTS: dict[str, str] = {
 }
 """SGLang release → fingerprint of its ``Scheduler.is_fully_idle``, as checked by
 tests/integration/sglang/test_coverage.py against the installed wheel."""
+REFUSED_IDLE_FINGERPRINTS: dict[str, str] = {
+    "0.5.21": "3b00b244f84bc11a",
+}
+"""Bodies read from a release's wheel whose logic differs from a tested one's (0.5.21:
+0.5.23's without its check of decode's deferred KV releases, and without the
+``ignore_waiting`` rule for waiting requests that hold KV): never accepted, not even as
+the running release's own (:func:`installed_idle_fingerprint`)."""
 
 _cache: dict[Any, str] = {}
 
@@ -83,3 +90,13 @@ def _canonical(node: Any) -> str:
 def accepted_fingerprints(extra: tuple[str, ...] = ()) -> frozenset[str]:
     """The tested fingerprints plus ``extra`` (the operator's own, after review)."""
     return frozenset(TESTED_IDLE_FINGERPRINTS.values()) | frozenset(extra)
+
+
+def installed_idle_fingerprint() -> str:
+    """The fingerprint of the installed SGLang's ``Scheduler.is_fully_idle``, read in this
+    process (the scheduler processes run the same installed code). Imports SGLang's
+    scheduler module: call it where SGLang is loaded already (``Engine`` imports it).
+    Raises ImportError, or what :func:`idle_fingerprint` raises."""
+    from sglang.srt.managers.scheduler import Scheduler  # noqa: PLC0415 (optional engine)
+
+    return idle_fingerprint(Scheduler)
