@@ -100,7 +100,9 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
                drain_config: DrainConfig, token: str | None, admin_socket: socket.socket,
                signals: SignalOwnership) -> int:
     gate = AdmissionGate(accepting=False)  # opened when the model is registered
-    component = component_for(args.component, gate)
+    component = component_for(  # ConfigError before anything starts
+        args.component, gate,
+        accept_untested_engine=getattr(args, "accept_untested_engine", None))
     discovery = ModelCardDiscovery(DynamoDiscovery(component.endpoints, registered=False),
                                    lambda: component.model)
     lifecycle = Lifecycle(gate=gate, probe=component.probe, discovery=discovery,
@@ -113,7 +115,8 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
     def worker_status() -> dict[str, object]:
         return {"signal_guard": signals.report(max_age_s=1.0).to_dict(),
                 "dynamo": {"component": args.component, "serving": component.serving,
-                           "endpoints": len(component.endpoints)}}
+                           "endpoints": len(component.endpoints)},
+                "warnings": list(component.warnings)}
 
     admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
                                             metrics=WorkerMetrics(lifecycle),
@@ -130,7 +133,8 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
         log.log(logging.INFO if guards.protected else logging.WARNING, "signal guard: %s",
                 guards.summary())
         _emit({"event": "ready", "component": args.component, "admin_port": admin.port,
-               "pid": os.getpid(), "signal_guard": guards.to_dict()})
+               "pid": os.getpid(), "signal_guard": guards.to_dict(),
+               "warnings": list(component.warnings)})
 
     component.on_ready = on_ready
     worker = asyncio.create_task(component.run(argv), name="dynamo-worker")

@@ -154,6 +154,9 @@ class DynamoComponent:
         """The model card Dynamo registered for this worker (once it did)."""
         self._unregister_model: Callable[[Any], Awaitable[None]] | None = None
         self._callbacks: dict[str, Callable[[], Awaitable[object]] | None] = {}
+        self.warnings: list[str] = []
+        """What the operator must know about this worker (an untested engine accepted):
+        logged, and in the ready line and ``GET /engine/status``."""
         self._probe = EngineProbe(f"dynamo.{self.name}")
         self._main: ModuleType | None = None
         self._task: asyncio.Task[None] | None = None
