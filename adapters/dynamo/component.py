@@ -25,8 +25,12 @@ naming it, never a silent no-op). The shared parts:
   frontend). How each request ended is read from its chunks (the handler's outcome).
 
 Until the model is registered the probe answers idle (``dynamo.<engine>: never served``):
-Dynamo serves the endpoints only then (or refuses requests at the closed gate), so no
-request can have reached the engine. From then on it is the engine's.
+in the LLM worker each component runs, Dynamo serves the endpoints only once it called
+the hooked registration (or refuses requests at the closed gate), so no request can have
+reached the engine. From then on it is the engine's. That holds only for the worker
+kinds a component hooks: every other kind (an encode, embedding or realtime worker...)
+registers and serves through code no hook reaches, so each component refuses them
+(:class:`~quiesce.errors.ConfigError`) as soon as Dynamo parsed its arguments.
 
 :class:`ComponentControl` is the :class:`~quiesce.engine.EngineControl` the shutdown uses:
 ``abort_all`` aborts what the engine holds (the engine adapter's control) and sets

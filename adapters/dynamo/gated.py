@@ -16,7 +16,7 @@ work, and released with the outcome its stream shows:
 
 A closed gate raises ``refusal(WorkerDraining)`` before the handler runs; by default the
 :class:`~quiesce.errors.WorkerDraining` itself. The component wrappers pass an exception
-type Dynamo's frontend knows (:mod:`.components`).
+type Dynamo's frontend knows (:mod:`.component`).
 """
 
 from __future__ import annotations
