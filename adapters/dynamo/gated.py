@@ -8,11 +8,16 @@ work, and released with the outcome its stream shows:
 - Dynamo's LLM handlers put the end of a stream in its chunks, not in an exception:
   ``finish_reason`` ``stop``/``length``/``eos``/``tool_calls`` is completed;
   ``cancelled`` (vLLM's ``abort`` as Dynamo normalizes it) is client gone when the
-  request's context says the client stopped it, else lost; ``error...`` is lost; a
-  stream that ended without any finish reason is lost (fail closed). This reading is
-  :func:`finish_outcome`, checked against ``dynamo/vllm/handlers.py`` 1.6.1.
+  request's context says the client stopped it, else lost; ``error...`` is lost. This
+  reading is :func:`finish_outcome`, checked against ``dynamo/vllm/handlers.py`` 1.6.1.
+- A stream that ended without any finish reason is client gone when the request's
+  context says the client stopped it (a client's disconnect is never the drain's
+  failure), else lost (fail closed): :func:`unstated_outcome`.
 - An exception or a cancellation gets the gate's usual outcome
-  (:meth:`~quiesce.admission.Admission.end_by`).
+  (:meth:`~quiesce.admission.Admission.end_by`), except an exception raised from a
+  :class:`~quiesce.errors.RequestRejected` (``raise DynamoError(...) from rejected``:
+  the handler refused the request's own input in its framework's terms, as
+  :mod:`.token_handler` raises Dynamo's ``InvalidArgument``): rejected, not lost.
 
 A closed gate raises ``refusal(WorkerDraining)`` before the handler runs; by default the
 :class:`~quiesce.errors.WorkerDraining` itself. The component wrappers pass an exception
@@ -26,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from quiesce.admission import AdmissionGate, Outcome
-from quiesce.errors import ConfigError, WorkerDraining
+from quiesce.errors import ConfigError, RequestRejected, WorkerDraining
 
 Handler = Callable[..., AsyncIterator[Any]]
 FinishOutcome = Callable[[Any, Any], "Outcome | None"]
@@ -46,6 +51,12 @@ def _client_stopped(context: Any) -> bool:
         except Exception:  # an unreadable context is not a client's word
             continue
     return False
+
+
+def unstated_outcome(context: Any) -> Outcome:
+    """How a stream that stated no outcome ended: client gone when the client stopped
+    it (``context.is_stopped()``/``is_killed()``), else lost (fail closed)."""
+    return Outcome.CLIENT_GONE if _client_stopped(context) else Outcome.LOST
 
 
 def finish_outcome(chunk: Any, context: Any) -> Outcome | None:
@@ -71,8 +82,10 @@ def gated(handler: Handler, gate: AdmissionGate,
 
     ``outcome``: reads how the stream ended from its chunks (``finish_outcome`` for
     Dynamo's LLM handlers); the last chunk that states one counts, and a stream that
-    never states one is lost. Without it, a stream that ends normally is completed.
-    ``refusal``: what a closed gate raises (default: the ``WorkerDraining`` itself).
+    never states one is :func:`unstated_outcome`. Without it, a stream that ends
+    normally is completed. An exception raised from ``RequestRejected`` is rejected
+    (module docstring). ``refusal``: what a closed gate raises (default: the
+    ``WorkerDraining`` itself).
     """
     if not callable(handler):
         raise ConfigError("handler", "must be an async generator function")
@@ -90,12 +103,17 @@ def gated(handler: Handler, gate: AdmissionGate,
         context = kwargs["context"] if "context" in kwargs else args[-1] if args else None
         ended: Outcome | None = None
         with admission:
-            async for item in handler(*args, **kwargs):
-                if outcome is not None:
-                    ended = outcome(item, context) or ended
-                yield item
-            admission.finish(ended if outcome is not None and ended is not None
-                             else Outcome.LOST if outcome is not None else Outcome.COMPLETED)
+            try:
+                async for item in handler(*args, **kwargs):
+                    if outcome is not None:
+                        ended = outcome(item, context) or ended
+                    yield item
+            except Exception as exc:
+                if isinstance(exc.__cause__, RequestRejected):
+                    admission.finish(Outcome.REJECTED)
+                raise
+            admission.finish(Outcome.COMPLETED if outcome is None
+                             else ended or unstated_outcome(context))
 
     # The handler's own signature (``inspect.signature`` follows ``__wrapped__``): Dynamo's
     # runtime passes ``context`` only to a handler whose signature names it.

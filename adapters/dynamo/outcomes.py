@@ -2,7 +2,8 @@
 
 Each function is a :data:`~.gated.FinishOutcome`: ``(chunk, context) -> Outcome | None``,
 None when the chunk does not end the stream; the last chunk that states one counts, and
-a stream that never states one is lost (fail closed). Checked against ai-dynamo 1.6.1.
+a stream that never states one is client gone if the client stopped it, else lost
+(:func:`~.gated.unstated_outcome`). Checked against ai-dynamo 1.6.1.
 
 - :func:`handoff_outcome` — a **prefill** handler's stream. Dynamo's vLLM and SGLang
   prefill handlers hand the decode side its KV parameters (``disaggregated_params``) in

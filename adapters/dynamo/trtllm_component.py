@@ -25,8 +25,8 @@
   (``request_handlers.handlers``) — push-egress dispatchers, gated with
   :func:`~.gated_push.gated_push`; outcome from Dynamo's ``finish_reason`` (a prefill's
   ``length`` with its ``disaggregated_params`` is completed; ``{"error": ...}`` is lost).
-  A request the client cancelled ends without a finish reason in this handler: it is
-  counted lost (fail closed).
+  A request the client cancelled ends without a finish reason in this handler: client
+  gone when its context says the client stopped it, else lost (fail closed).
 
 Control: :class:`~quiesce.adapters.trtllm.TrtllmEngineControl` aborts what the ``LLM``
 holds (counting context KV abandoned in transfer); Dynamo's own teardown
