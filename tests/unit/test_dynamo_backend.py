@@ -203,8 +203,10 @@ async def test_a_client_stop_aborts_the_request_and_ends_cancelled() -> None:
         chunks.append(chunk)
         if len(chunks) == 2:
             context.stop()
+    # the engine aborted it (a stream it finished would end "length"), and let it go
     assert chunks[-1] == {"index": 0, "token_ids": [], "finish_reason": "cancelled"}
-    assert len(chunks) < 10 and not serving.engine.holds("r2")
+    assert all("finish_reason" not in c for c in chunks[:-1])
+    assert not serving.engine.holds("r2")
     await serving.engine.shutdown()
 
 
@@ -220,7 +222,9 @@ async def test_the_shutdown_event_aborts_and_raises_dynamos_engine_shutdown() ->
             seen += 1
             if seen == 2:
                 shutdown.set()
-    assert seen < 10 and not serving.engine.holds("r3")
+    # EngineShutdown is raised only for a request the engine aborted (it would else end
+    # "length"); the engine let it go
+    assert seen >= 2 and not serving.engine.holds("r3")
     await serving.engine.shutdown()
 
 
