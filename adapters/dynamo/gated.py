@@ -13,6 +13,9 @@ work, and released with the outcome its stream shows:
 - A stream that ended without any finish reason is client gone when the request's
   context says the client stopped it (a client's disconnect is never the drain's
   failure), else lost (fail closed): :func:`unstated_outcome`.
+- A handler whose stream cannot say how the engine ended a request (Dynamo's SGLang
+  prefill handler) gets it from a hook on its own engine loop (:class:`EngineEnds`);
+  what the hook recorded decides.
 - An exception or a cancellation gets the gate's usual outcome
   (:meth:`~quiesce.admission.Admission.end_by`), except an exception raised from a
   :class:`~quiesce.errors.RequestRejected` (``raise DynamoError(...) from rejected``:
@@ -74,10 +77,39 @@ def finish_outcome(chunk: Any, context: Any) -> Outcome | None:
     return Outcome.LOST
 
 
+class EngineEnds:
+    """How the engine ended each request of a handler whose stream does not say it
+    (Dynamo's SGLang prefill handler consumes the engine's results off its stream).
+
+    :func:`gated` opens an entry for each admitted request, by its ``context`` object,
+    and takes it when the stream ends; :meth:`record`, called meanwhile with the same
+    ``context`` (by a hook on the handler's own engine loop), sets it. A record for a
+    request that is not open (not gated, or its stream ended) is dropped, so nothing
+    outlives a stream. One event loop; not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[Any, Outcome | None]] = {}
+        """``id(context)`` → (the context, kept so that its id stays unique; the outcome)."""
+
+    def open(self, context: Any) -> None:
+        self._open[id(context)] = (context, None)
+
+    def record(self, context: Any, outcome: Outcome) -> None:
+        if id(context) in self._open:
+            self._open[id(context)] = (context, outcome)
+
+    def take(self, context: Any) -> Outcome | None:
+        """The outcome recorded for ``context`` (None if none), closing its entry."""
+        entry = self._open.pop(id(context), None)
+        return entry[1] if entry is not None else None
+
+
 def gated(handler: Handler, gate: AdmissionGate,
           request_id: Callable[..., str | None] | None = None, *,
           outcome: FinishOutcome | None = None,
-          refusal: Callable[[WorkerDraining], BaseException] | None = None) -> Handler:
+          refusal: Callable[[WorkerDraining], BaseException] | None = None,
+          ends: EngineEnds | None = None) -> Handler:
     """``handler`` with each request admitted through ``gate``.
 
     ``outcome``: reads how the stream ended from its chunks (``finish_outcome`` for
@@ -85,7 +117,8 @@ def gated(handler: Handler, gate: AdmissionGate,
     never states one is :func:`unstated_outcome`. Without it, a stream that ends
     normally is completed. An exception raised from ``RequestRejected`` is rejected
     (module docstring). ``refusal``: what a closed gate raises (default: the
-    ``WorkerDraining`` itself).
+    ``WorkerDraining`` itself). ``ends``: where the engine's own end of each request is
+    recorded (:class:`EngineEnds`); when one was, it decides over the chunks.
     """
     if not callable(handler):
         raise ConfigError("handler", "must be an async generator function")
@@ -102,7 +135,11 @@ def gated(handler: Handler, gate: AdmissionGate,
             raise refusal(refused) from refused
         context = kwargs["context"] if "context" in kwargs else args[-1] if args else None
         ended: Outcome | None = None
+        engine_end: Outcome | None = None
+        watched = ends if ends is not None and context is not None else None
         with admission:
+            if watched is not None:
+                watched.open(context)
             try:
                 async for item in handler(*args, **kwargs):
                     if outcome is not None:
@@ -112,8 +149,11 @@ def gated(handler: Handler, gate: AdmissionGate,
                 if isinstance(exc.__cause__, RequestRejected):
                     admission.finish(Outcome.REJECTED)
                 raise
-            admission.finish(Outcome.COMPLETED if outcome is None
-                             else ended or unstated_outcome(context))
+            finally:
+                if watched is not None:
+                    engine_end = watched.take(context)
+            admission.finish(engine_end or (Outcome.COMPLETED if outcome is None
+                                            else ended or unstated_outcome(context)))
 
     # The handler's own signature (``inspect.signature`` follows ``__wrapped__``): Dynamo's
     # runtime passes ``context`` only to a handler whose signature names it.

@@ -21,8 +21,8 @@
 - ``main.register_vllm_model`` — wrapped: the model card (endpoint: its third argument,
   ``generate_endpoint``), then ``on_ready``;
 - ``handlers.DecodeWorkerHandler.generate`` (outcome from Dynamo's ``finish_reason``) and
-  ``handlers.PrefillWorkerHandler.generate`` (completed once it handed over
-  ``disaggregated_params``: :func:`~.outcomes.handoff_outcome`).
+  ``handlers.PrefillWorkerHandler.generate`` (completed once the engine ran the prefill
+  and it handed over the KV parameters: :func:`~.outcomes.vllm_prefill_outcome`).
 
 Control: vLLM's :class:`~quiesce.adapters.vllm.VllmEngineControl` aborts what the engine
 holds; Dynamo's own teardown (``runtime.shutdown()``, then its cleanup) stops the engine.
@@ -40,7 +40,7 @@ from quiesce.probe import QuiescenceProbe, Role
 
 from .component import DynamoComponent, GatedHandler, Hook
 from .gated import finish_outcome
-from .outcomes import handoff_outcome
+from .outcomes import vllm_prefill_outcome
 
 MAIN = "dynamo.vllm.main"
 HANDLERS = "dynamo.vllm.handlers"
@@ -94,7 +94,7 @@ class VllmComponent(DynamoComponent):
 
     def handlers(self) -> Sequence[GatedHandler]:
         return [GatedHandler(HANDLERS, "DecodeWorkerHandler", finish_outcome),
-                GatedHandler(HANDLERS, "PrefillWorkerHandler", handoff_outcome)]
+                GatedHandler(HANDLERS, "PrefillWorkerHandler", vllm_prefill_outcome)]
 
     def build_probe(self, engine: Any, role: Role) -> QuiescenceProbe:
         from quiesce.adapters.vllm import VllmProbe  # noqa: PLC0415 (needs vLLM)

@@ -1,6 +1,7 @@
 """Contract: the worker kinds ``quiesce dynamo vllm`` refuses are the ones the installed
 ai-dynamo's real ``dynamo.vllm`` (1.6.1) serves through code its hooks do not reach, read
-from the fields the refusal reads.
+from the fields the refusal reads; and the prefill chunk is what
+:func:`~quiesce.adapters.dynamo.outcomes.vllm_prefill_outcome` reads.
 
 Evidence level: Dynamo's real module source (read with ``ast``: tests/integration/dynamo/
 dynamo_source.py, nothing of ``dynamo.vllm`` imported in this process) and, for the last
@@ -30,6 +31,7 @@ from tests.integration.dynamo.dynamo_source import (
     imported_from,
     module_level_names,
     parse,
+    yields,
 )
 from tests.integration.dynamo.processes import dynamo_env
 
@@ -50,6 +52,13 @@ def _modes_compared(func: ast.AST) -> set[str]:
     return {sub.attr for node in ast.walk(func) if isinstance(node, ast.If)
             for sub in ast.walk(node.test) if isinstance(sub, ast.Attribute)
             and ast.unparse(sub.value) == "DisaggregationMode"}
+
+
+def _keys(display: ast.Dict) -> dict[str, str]:
+    """A dict literal's constant keys and the source text of their values."""
+    return {k.value: ast.unparse(v) for k, v in zip(display.keys, display.values,
+                                                    strict=True)
+            if isinstance(k, ast.Constant) and isinstance(k.value, str)}
 
 
 def test_each_hooked_name_of_main_is_looked_up_by_the_worker_at_call_time() -> None:
@@ -137,3 +146,26 @@ def test_the_real_worker_refuses_a_kind_before_it_serves(tiny_model: Path, tmp_p
     (refusal,) = [line for line in done.stderr.splitlines()
                   if line.startswith("quiesce dynamo vllm: args: ")] or [done.stderr[-3000:]]
     assert named in refusal and '"event": "ready"' not in done.stdout, refusal
+
+
+def test_a_prefill_chunk_carries_its_token_and_kv_parameters_without_a_finish_reason(
+        ) -> None:
+    """What :func:`~quiesce.adapters.dynamo.outcomes.vllm_prefill_outcome` reads: the
+    prefill handler caps the request at one token (``max_tokens`` = ``min_tokens`` = 1),
+    so a prefill the engine ran has that token, an aborted one has none; each chunk
+    carries ``token_ids`` and ``disaggregated_params`` (``kv_transfer_params`` inside,
+    from ``_build_disaggregated_params``) and never a finish reason."""
+    handler = class_def(parse("dynamo.vllm.handlers"), "PrefillWorkerHandler")
+    token_mode = function(handler, "_generate_token_mode")
+    assert [ast.unparse(y) for y in yields(token_mode) if y is not None] == ["output"]
+    (chunk,) = [_keys(n.value) for n in ast.walk(token_mode) if isinstance(n, ast.AnnAssign)
+                and ast.unparse(n.target) == "output" and isinstance(n.value, ast.Dict)]
+    assert {"token_ids", "disaggregated_params"} <= set(chunk)
+    assert "finish_reason" not in chunk and chunk["token_ids"] == "list(token_ids)"
+    (caps,) = [_keys(d) for d in ast.walk(token_mode)
+               if isinstance(d, ast.Dict) and "max_tokens" in _keys(d)]
+    assert (caps["max_tokens"], caps["min_tokens"]) == ("1", "1")
+    build = function(handler, "_build_disaggregated_params")
+    assert any(isinstance(n, ast.Subscript) and ast.unparse(n) ==
+               "disaggregated_params['kv_transfer_params']" for n in ast.walk(build))
+    assert calls_of(function(handler, "generate"), "_translate_vllm_client_errors")
