@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from quiesce.adapters.dynamo.gated import gated
+from quiesce.adapters.dynamo.gated import EngineEnds, gated
 from quiesce.adapters.dynamo.outcomes import (
     sglang_final_outcome,
     sglang_outcome,
@@ -102,3 +102,26 @@ async def test_a_vllm_prefill_stream_counts_completed_and_an_aborted_one_lost() 
         assert [c async for c in handler({"chunk": chunk}, context)] == [chunk]
     assert gate.outcomes().to_dict() == {"completed": 1, "lost": 1, "client_gone": 1,
                                          "rejected": 0}
+
+
+async def test_an_engine_end_recorded_while_the_stream_runs_decides_and_nothing_outlives_it(
+        ) -> None:
+    """:class:`EngineEnds` as the SGLang prefill uses it: what the engine's own loop
+    recorded for the request decides over the chunks; a record for a request whose
+    stream is not open is dropped (nothing is kept past a stream)."""
+    gate, ends = AdmissionGate(), EngineEnds()
+
+    async def generate(request: dict[str, Any], context: FakeContext) -> Any:
+        yield SGLANG_BOOTSTRAP
+        if request.get("ended") is not None:
+            ends.record(context, request["ended"])
+
+    handler = gated(generate, gate, outcome=sglang_outcome, ends=ends)
+    for ended in (Outcome.COMPLETED, Outcome.LOST, None):
+        assert [c async for c in handler({"ended": ended}, FakeContext("p"))] == \
+            [SGLANG_BOOTSTRAP]
+    assert gate.outcomes().to_dict() == {"completed": 1, "lost": 2, "client_gone": 0,
+                                         "rejected": 0}
+    late = FakeContext("late")
+    ends.record(late, Outcome.COMPLETED)  # not open: dropped
+    assert ends.take(late) is None and ends._open == {}
