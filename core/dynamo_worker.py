@@ -25,7 +25,8 @@ model load or before registration the worker stops without serving (nothing admi
 drained, 0); while serving or draining, the drain's outcome (0 drained, 3 forced, 5
 lost); a second signal 4. Dynamo's worker failing on its own is exit 1 with its error;
 bad options, a Dynamo or engine that cannot be imported, or a worker kind quiesce does
-not wrap are exit 2 before anything serves. Output: one JSON line ``{"event":
+not wrap (refused as soon as Dynamo parsed its arguments; each component's docstring
+lists them) are exit 2 before anything serves. Output: one JSON line ``{"event":
 "starting", ...}`` once the worker owns its signals (before Dynamo and the engine are
 imported), one ``{"event": "ready", ...}`` when the model is registered, and one
 ``{"event": "exit", ...}`` with the shutdown report, as ``quiesce serve`` prints them.

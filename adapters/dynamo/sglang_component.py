@@ -27,7 +27,12 @@
 - ``init_llm.serve_via_gateway_children`` — refused (``ConfigError``): in gateway mode
   the requests are served by ``python -m dynamo.sglang`` children quiesce is not in.
 - ``request_handlers.DecodeWorkerHandler.generate`` and ``PrefillWorkerHandler.generate``
-  — gated, outcome read by :func:`~.outcomes.sglang_outcome`.
+  — gated, outcome read by :func:`~.outcomes.sglang_outcome`. The prefill handler yields
+  its bootstrap parameters before the prefill runs and then consumes the engine's
+  results off the stream, so its outcome is what ``PrefillWorkerHandler._consume_results``
+  returns (the final ``meta_info``: :func:`~.outcomes.sglang_final_outcome`; wrapped),
+  never the bootstrap chunk: an aborted prefill is lost (client gone when the client
+  stopped it).
 
 Version: the SGLang probe is tested on SGLang 0.5.23; on another release it answers
 UNKNOWN naming the version, so a drain does not reach ``drained`` and a SIGTERM runs to
@@ -65,8 +70,8 @@ from quiesce.engine import EngineControl
 from quiesce.errors import ConfigError
 from quiesce.probe import QuiescenceProbe, Role
 
-from .component import CARD_ENDPOINT, DynamoComponent, GatedHandler, Hook
-from .outcomes import sglang_outcome
+from .component import CARD_ENDPOINT, DynamoComponent, EngineEnd, GatedHandler, Hook
+from .outcomes import sglang_final_outcome, sglang_outcome
 
 log = logging.getLogger("quiesce.adapters.dynamo.sglang_component")
 
@@ -120,7 +125,8 @@ class SglangComponent(DynamoComponent):
 
     def handlers(self) -> Sequence[GatedHandler]:
         return [GatedHandler(HANDLERS, "DecodeWorkerHandler", sglang_outcome),
-                GatedHandler(HANDLERS, "PrefillWorkerHandler", sglang_outcome)]
+                GatedHandler(HANDLERS, "PrefillWorkerHandler", sglang_outcome,
+                             engine_end=EngineEnd("_consume_results", sglang_final_outcome))]
 
     def build_probe(self, engine: Any, role: Role) -> QuiescenceProbe:
         if not self.untested:

@@ -303,6 +303,9 @@ async def test_a_served_worker_reads_the_py_executor_and_admits_pushed_requests(
         {"chunks": [{"finish_reason": "length"}]}, FakeContext("canary"))]
     assert pulled == [{"finish_reason": "length"}]
     assert component.gate.outcomes().completed == 2
+    # the client stopped it: Dynamo's handler ends it without a finish reason
+    await endpoint.call({"chunks": [{"token_ids": [1]}]}, FakeContext("r4", stopped=True))
+    assert (component.gate.outcomes().client_gone, component.gate.outcomes().lost) == (1, 2)
 
     component.gate.close("draining")
     with pytest.raises(WorkerUnavailable, match="draining"):
