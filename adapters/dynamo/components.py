@@ -1,6 +1,6 @@
 """quiesce inside Dynamo's own worker components (ai-dynamo 1.6.1), picked by name.
 
-``quiesce dynamo COMPONENT -- ARGS`` (:mod:`quiesce.dynamo_worker`) runs Dynamo's real
+``quiesce dynamo COMPONENT -- ARGS`` (:mod:`quiesce.serve.dynamo_worker`) runs Dynamo's real
 ``dynamo.COMPONENT`` worker in-process with quiesce's hooks:
 
 - ``vllm`` — :class:`~.vllm_component.VllmComponent`

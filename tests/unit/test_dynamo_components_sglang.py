@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-from quiesce import cli
 from quiesce.adapters.dynamo import DynamoDiscovery
 from quiesce.adapters.dynamo.components import (
     COMPONENTS,
@@ -32,8 +31,9 @@ from quiesce.adapters.dynamo.model_card import ModelCardDiscovery
 from quiesce.adapters.sglang import SglangProbe
 from quiesce.admission import AdmissionGate
 from quiesce.errors import ConfigError
+from quiesce.ops import cli
 from quiesce.probe import Role, Verdict
-from quiesce.serve_options import DYNAMO_COMPONENTS
+from quiesce.serve.options import DYNAMO_COMPONENTS
 from tests.unit.dynamo_fakes import (
     FakeContext,
     FakeDynamo,

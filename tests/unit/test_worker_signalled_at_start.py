@@ -1,4 +1,4 @@
-"""``quiesce serve`` signalled before it serves (:func:`quiesce.worker.run_worker`), in
+"""``quiesce serve`` signalled before it serves (:func:`quiesce.serve.worker.run_worker`), in
 process, with FAKES where the outside world would be: discovery (a scripted in-memory
 discovery standing in for the etcd client, whose registration and unregistration the
 test holds), the GPU reader (a stand-in with ``aclose``), the signal (the test calls
@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 
-from quiesce import server, worker
-from quiesce.serve_options import WorkerOptions, add_serve_arguments, options_from_args
+from quiesce.admin import server
+from quiesce.serve import worker
+from quiesce.serve.options import WorkerOptions, add_serve_arguments, options_from_args
 from quiesce.shutdown import Shutdown
 from tests.unit.dynamo_fakes import FakeDynamo
 from tests.unit.lifecycle_harness import ScriptedDiscovery

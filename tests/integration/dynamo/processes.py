@@ -150,7 +150,7 @@ HELD_MARK = "quiesce-test: inside Dynamo's model registration"
 """What the held worker prints once it is inside ``register_vllm_model`` (see below)."""
 HELD_REGISTRATION = """\
 import asyncio, importlib.abc, os, sys
-from quiesce.cli import main
+from quiesce.ops.cli import main
 
 def hold(dynamo_main):
     register = dynamo_main.register_model

@@ -119,7 +119,7 @@ HELD_MARK = "quiesce-test: the model card is registered, held"
 HELD_CARD = """\
 import asyncio, os, pathlib, sys
 import dynamo.llm
-from quiesce.cli import main
+from quiesce.ops.cli import main
 
 register = dynamo.llm.register_model
 

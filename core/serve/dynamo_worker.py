@@ -49,13 +49,8 @@ from collections.abc import Sequence
 from quiesce.adapters.dynamo import DynamoDiscovery
 from quiesce.adapters.dynamo.components import component_for
 from quiesce.adapters.dynamo.model_card import ModelCardDiscovery
-from quiesce.admission import AdmissionGate
-from quiesce.drain import DrainConfig
-from quiesce.errors import ConfigError, EngineNotInstalled
-from quiesce.lifecycle import Lifecycle
-from quiesce.metrics import WorkerMetrics
-from quiesce.serve_options import dynamo_policy
-from quiesce.server import (
+from quiesce.admin.metrics import WorkerMetrics
+from quiesce.admin.server import (
     LISTEN_BACKLOG,
     EmbeddedServer,
     bind_socket,
@@ -63,10 +58,15 @@ from quiesce.server import (
     create_admin_app,
     load_token,
 )
+from quiesce.admission import AdmissionGate
+from quiesce.drain import DrainConfig
+from quiesce.errors import ConfigError, EngineNotInstalled
+from quiesce.lifecycle import Lifecycle
+from quiesce.serve.options import dynamo_policy
 from quiesce.shutdown import Shutdown, ShutdownPolicy
 from quiesce.signal_guard import SignalOwnership
 
-log = logging.getLogger("quiesce.dynamo_worker")
+log = logging.getLogger("quiesce.serve.dynamo_worker")
 
 EXIT_WORKER_FAILED = 1
 """Dynamo's worker ended on its own (an error, or its runtime went away) before any signal."""

@@ -2,12 +2,12 @@
 
 One process, one event loop, two HTTP servers:
 
-- the serving API on ``--port`` (:mod:`quiesce.openai_api`): OpenAI-compatible
+- the serving API on ``--port`` (:mod:`quiesce.serve.openai_api`): OpenAI-compatible
   ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
   (streaming as server-sent events, or one JSON answer), every request through the
   admission gate and ending in one recorded outcome; a closed gate answers 503 with a
   typed, retryable error;
-- the admin API on ``--admin-port`` (:mod:`quiesce.server`).
+- the admin API on ``--admin-port`` (:mod:`quiesce.admin.server`).
 
 SIGTERM or SIGINT runs the budgeted shutdown (:mod:`quiesce.shutdown`); a second
 signal exits at once. The process prints one JSON line once it owns its signals
@@ -58,16 +58,9 @@ from quiesce.adapters.dynamo.backend import DynamoBackend, require_dynamo_shutdo
 from quiesce.adapters.etcd import EtcdDiscovery
 from quiesce.adapters.nvml import GpuQuietProbe, require_gpu_quiet
 from quiesce.adapters.sim import SimConfig, SimServing
-from quiesce.admission import AdmissionGate
-from quiesce.discovery import Discovery, DiscoveryUnavailable, InMemoryDiscovery
-from quiesce.errors import ConfigError, EngineNotInstalled
-from quiesce.lifecycle import Lifecycle
-from quiesce.metrics import WorkerMetrics
-from quiesce.openai_api import ServingEngine, create_completions_app
-from quiesce.pod_deletion_cost import DeletionCostPublisher, PodIdentity
-from quiesce.probe import QuiescenceProbe
-from quiesce.serve_options import WorkerOptions, options_from_args
-from quiesce.server import (
+from quiesce.admin.metrics import WorkerMetrics
+from quiesce.admin.pod_deletion_cost import DeletionCostPublisher, PodIdentity
+from quiesce.admin.server import (
     LISTEN_BACKLOG,
     EmbeddedServer,
     bind_socket,
@@ -75,6 +68,13 @@ from quiesce.server import (
     create_admin_app,
     load_token,
 )
+from quiesce.admission import AdmissionGate
+from quiesce.discovery import Discovery, DiscoveryUnavailable, InMemoryDiscovery
+from quiesce.errors import ConfigError, EngineNotInstalled
+from quiesce.lifecycle import Lifecycle
+from quiesce.probe import QuiescenceProbe
+from quiesce.serve.openai_api import ServingEngine, create_completions_app
+from quiesce.serve.options import WorkerOptions, options_from_args
 from quiesce.shutdown import (
     EXIT_CLEAN,
     EXIT_LOST,
@@ -84,7 +84,7 @@ from quiesce.shutdown import (
 )
 from quiesce.signal_guard import SignalOwnership
 
-log = logging.getLogger("quiesce.worker")
+log = logging.getLogger("quiesce.serve.worker")
 
 EXIT_WORKER_FAILED = 1
 """``--dynamo``: serving ended without a signal (Dynamo's runtime went away)."""

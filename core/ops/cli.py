@@ -3,10 +3,11 @@
 ``quiesce demo`` replays the field report's scale-down under two policies. Exit
 codes: 0 success, 1 the demo's quiesce policy lost a request, 2 bad arguments.
 
-``quiesce serve`` runs the reference worker (:mod:`quiesce.worker`; its exit codes
+``quiesce serve`` runs the reference worker (:mod:`quiesce.serve.worker`; its exit codes
 are the shutdown report's). ``quiesce dynamo vllm|sglang|trtllm [options] -- ARGS`` runs
-NVIDIA Dynamo's own ``dynamo.<engine>`` worker with quiesce inside (:mod:`quiesce.dynamo_worker`;
-the same exit codes, plus 1 when Dynamo's worker ends by itself).
+NVIDIA Dynamo's own ``dynamo.<engine>`` worker with quiesce inside
+(:mod:`quiesce.serve.dynamo_worker`; the same exit codes, plus 1 when Dynamo's worker ends
+by itself).
 
 ``quiesce doctor trtllm [--source DIR] [--json]`` checks, without a GPU and without
 importing it, that an installed TensorRT-LLM (or a source tree) still defines the names
@@ -15,8 +16,8 @@ name is there (in a known layout), 1 drift (the probe would report UNKNOWN for g
 2 bad arguments, 6 no TensorRT-LLM sources found, or they cannot be read, 7 an
 incomplete install (a file the package lists is missing: reinstall, this is not drift).
 
-The operator commands talk to a running worker's admin API (:mod:`quiesce.server`)
-through :class:`quiesce.admin_client.AdminClient`:
+The operator commands talk to a running worker's admin API (:mod:`quiesce.admin.server`)
+through :class:`quiesce.ops.admin_client.AdminClient`:
 
 - ``quiesce status [--json]``: state, generation, in-flight, pending work, drain progress;
 - ``quiesce drain [--budget S] [--wait [--wait-timeout S]] [--json]``: start a drain and,
@@ -55,14 +56,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from quiesce.demo import DemoConfig
-from quiesce.demo import main as demo_main
 from quiesce.errors import ConfigError
-from quiesce.serve_options import add_dynamo_arguments, add_serve_arguments
-from quiesce.status_format import Progress, ended_line, explain, format_status
+from quiesce.ops.demo import DemoConfig
+from quiesce.ops.demo import main as demo_main
+from quiesce.ops.status_format import Progress, ended_line, explain, format_status
+from quiesce.serve.options import add_dynamo_arguments, add_serve_arguments
 
 if TYPE_CHECKING:
-    from quiesce.admin_client import AdminClient
+    from quiesce.ops.admin_client import AdminClient
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -173,7 +174,7 @@ def _doctor_trtllm(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     try:
-        from quiesce.worker import serve_main  # noqa: PLC0415 (optional extra)
+        from quiesce.serve.worker import serve_main  # noqa: PLC0415 (optional extra)
     except ImportError as exc:
         print(f"quiesce serve needs the server extra: pip install 'quiesce[server]' ({exc})",
               file=sys.stderr)
@@ -183,7 +184,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _dynamo(args: argparse.Namespace) -> int:
     try:
-        from quiesce.dynamo_worker import dynamo_main  # noqa: PLC0415 (optional extras)
+        from quiesce.serve.dynamo_worker import dynamo_main  # noqa: PLC0415 (optional extras)
     except ImportError as exc:
         print(f"quiesce dynamo needs the server extra: pip install 'quiesce[server]' ({exc})",
               file=sys.stderr)
@@ -341,7 +342,7 @@ def _error(args: argparse.Namespace, message: str) -> None:
 
 
 def _exit_code(exc: Exception) -> int:
-    from quiesce import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
+    from quiesce.ops import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
 
     if isinstance(exc, ac.AdminError):
         # the worker judged the request itself invalid: a usage error, nothing changed
@@ -358,7 +359,7 @@ def _operator(operation: Operation) -> Callable[[argparse.Namespace], int]:
 
     def handler(args: argparse.Namespace) -> int:
         try:
-            from quiesce import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
+            from quiesce.ops import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
         except ImportError as exc:
             _error(args, f"needs httpx: pip install 'quiesce[server]' ({exc})")
             return EXIT_USAGE
