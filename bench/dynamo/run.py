@@ -57,7 +57,6 @@ QUIESCE_BUDGET_S = 60.0
 PRESTOP_MARGIN_S = 55.0
 """``quiesce prestop --margin``: above the worker's budget, as deploy/kubernetes says."""
 LOAD_START_TIMEOUT_S = 300.0
-<<<<<<< HEAD
 INPUT_LENGTHS = UniformLengths(8, 24)
 OUTPUT_LENGTHS = UniformLengths(200, 400)
 """At the paced step (0.02 s) a stream runs 4-8 s alone, longer with others in the batch
@@ -66,15 +65,6 @@ on the victim outlive a fixed 5 s grace (with 120-260 tokens, 0 to 2 of 14 did, 
 run, and the arms compared little)."""
 DISAGGREGATED_OUTPUT_LENGTHS = UniformLengths(40, 80)
 PULL_FAILURE = "NIXL_ERR_REMOTE_DISCONNECT"
-=======
-INPUT_LENGTHS = UniformLengths(8, 24)
-OUTPUT_LENGTHS = UniformLengths(120, 260)
-"""At the paced step (0.02 s) a stream runs 2.4-5.2 s alone, longer with others in the
-batch on two cores: most outlive a fixed 5 s grace once queued behind the load."""
-DISAGGREGATED_OUTPUT_LENGTHS = UniformLengths(40, 80)
-WARM_UP_ROUNDS = 3
-WARM_UP_CONCURRENCY = 4
->>>>>>> house-splits
 MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)"
                        r".*?x_request_id\S*?=\S*?\"?([0-9a-f-]+)")
 

@@ -22,8 +22,6 @@ from typing import Any
 import httpx
 import pytest
 
-from quiesce.ops import cli
-from quiesce.serve import dynamo_worker
 from quiesce.adapters.dynamo import sglang_component
 from quiesce.adapters.dynamo.components import SglangComponent, component_for
 from quiesce.adapters.sglang import SglangProbe
@@ -31,8 +29,10 @@ from quiesce.adapters.sglang import probe as sglang_probe
 from quiesce.adapters.sglang.scheduler_state import STATE_KEY
 from quiesce.admission import AdmissionGate
 from quiesce.errors import ConfigError
-from quiesce.probe import Verdict
+from quiesce.ops import cli
 from quiesce.ops.status_format import format_status
+from quiesce.probe import Verdict
+from quiesce.serve import dynamo_worker
 from tests.unit.dynamo_fakes import FakeDynamo, until
 from tests.unit.test_dynamo_components_sglang import FakeSglangEngine, fake_sglang, start
 from tests.unit.test_sglang_adapter import state
