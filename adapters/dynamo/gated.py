@@ -33,7 +33,7 @@ import functools
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-from quiesce.admission import AdmissionGate, Outcome
+from quiesce.admission import Admission, AdmissionGate, Outcome
 from quiesce.errors import ConfigError, RequestRejected, WorkerDraining
 
 Handler = Callable[..., AsyncIterator[Any]]
@@ -105,6 +105,19 @@ class EngineEnds:
         return entry[1] if entry is not None else None
 
 
+
+def admit_or_refuse(gate: AdmissionGate, rid: str | None,
+                    refusal: Callable[[WorkerDraining], BaseException] | None) -> Admission:
+    """``gate.admit(rid)``; a closed gate raises ``refusal(refused)`` (Dynamo's typed error)
+    if given, else :class:`WorkerDraining` itself."""
+    try:
+        return gate.admit(rid)
+    except WorkerDraining as refused:
+        if refusal is None:
+            raise
+        raise refusal(refused) from refused
+
+
 def gated(handler: Handler, gate: AdmissionGate,
           request_id: Callable[..., str | None] | None = None, *,
           outcome: FinishOutcome | None = None,
@@ -127,12 +140,7 @@ def gated(handler: Handler, gate: AdmissionGate,
 
     async def admitted(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         rid = request_id(*args, **kwargs) if request_id is not None else None
-        try:
-            admission = gate.admit(rid)
-        except WorkerDraining as refused:
-            if refusal is None:
-                raise
-            raise refusal(refused) from refused
+        admission = admit_or_refuse(gate, rid, refusal)
         context = kwargs["context"] if "context" in kwargs else args[-1] if args else None
         ended: Outcome | None = None
         engine_end: Outcome | None = None

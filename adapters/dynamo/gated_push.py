@@ -26,7 +26,7 @@ from typing import Any
 from quiesce.admission import AdmissionGate, Outcome
 from quiesce.errors import ConfigError, WorkerDraining
 
-from .gated import FinishOutcome, Handler, gated, unstated_outcome
+from .gated import FinishOutcome, Handler, admit_or_refuse, gated, unstated_outcome
 
 
 class _WatchedSender:
@@ -60,12 +60,7 @@ def gated_push(dispatch: Callable[..., Any], gate: AdmissionGate,
     async def pushed(self: Any, request: Any, context: Any, sender: Any,
                      kwargs: dict[str, Any]) -> AsyncIterator[Any]:
         rid = request_id(self, request, context) if request_id is not None else None
-        try:
-            admission = gate.admit(rid)
-        except WorkerDraining as refused:
-            if refusal is None:
-                raise
-            raise refusal(refused) from refused
+        admission = admit_or_refuse(gate, rid, refusal)
         watched = _WatchedSender(sender, context, outcome)
         with admission:
             # relayed as they come: the push path yields nothing (responses go through

@@ -35,9 +35,17 @@ from typing import Any
 
 import httpx
 
-from bench.dynamo.common import first_request, keep_logs, victim_dict, warm_up
+from bench.dynamo.common import (
+    delete_during_load,
+    first_request,
+    judged,
+    keep_logs,
+    stop_load,
+    victim_dict,
+    warm_up,
+)
 from bench.replay import aiperf
-from bench.replay.judge import read_outcomes, summarize
+from bench.replay.judge import summarize
 from bench.replay.trace import Phase, UniformLengths, write_trace
 from bench.stats import percentile
 from tests.integration.dynamo.disagg import disagg_args, disagg_env
@@ -49,7 +57,7 @@ from tests.integration.dynamo.processes import (
     wait_for_model,
     write_template,
 )
-from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
+from tests.integration.worker_process import Worker, prestop_command
 
 GRACE_S = 120.0
 """terminationGracePeriodSeconds of the victim's pod (SIGKILL after it)."""
@@ -246,26 +254,17 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
             victim = workers[0]
             held = _held_at_scale_down(victim) if arm.disaggregated and arm.quiesce else None
             scale_down_wall_ns = time.time_ns()
-            signal_at = time.monotonic()
             prestop = (prestop_command(victim, GRACE_S, PRESTOP_MARGIN_S) if arm.quiesce
                        else None)
-            deletion = await kubelet_delete(victim, GRACE_S, prestop)
-            removal_s = time.monotonic() - signal_at
-            run = await load
-        finally:
-            if not load.done():
-                load.cancel()  # kills aiperf's process group
-                with contextlib.suppress(asyncio.CancelledError):
-                    await load
+        except BaseException:
+            await stop_load(load)
+            raise
+        deletion, removal_s, run = await delete_during_load(load, victim, GRACE_S, prestop)
         migrated_requests = migrations(front.process.lines)
         keep_logs(workdir, front, workers)
         pull_failures = (sum(PULL_FAILURE in line for line in workers[1].lines)
                          if arm.disaggregated else None)
-    if not run.raw_export.is_file():  # aiperf failed or was killed: nothing to judge
-        log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
-        raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
-                           f"{run.timed_out}); its log ends:\n{log_tail}")
-    outcomes = read_outcomes(run.raw_export)
+    outcomes = judged(run)
     summary = summarize(outcomes)
     ids = [o.request_id for o in outcomes]
     in_flight = [(o.end_ns - o.start_ns) / 1e9 for o in outcomes

@@ -38,14 +38,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.dynamo.common import first_request, keep_logs, victim_dict, warm_up
+from bench.dynamo.common import (
+    delete_during_load,
+    first_request,
+    judged,
+    keep_logs,
+    stop_load,
+    victim_dict,
+    warm_up,
+)
 from bench.replay import aiperf
-from bench.replay.judge import read_outcomes, summarize
+from bench.replay.judge import summarize
 from bench.replay.run import OUTPUT_LENGTHS
 from bench.replay.trace import LengthDistribution, Phase, UniformLengths, write_trace
 from tests.integration.dynamo.processes import frontend, wait_for_model
 from tests.integration.dynamo.reference import reference_worker
-from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
+from tests.integration.worker_process import Worker, prestop_command
 
 MODES = {"dynamo_default": "dynamo", "quiesce": "quiesce"}
 """Mode → the workers' ``--dynamo-shutdown``."""
@@ -185,24 +193,15 @@ async def run_scale(mode: str, workdir: Path, model: Path,
         try:
             await first_request(front, load, LOAD_START_TIMEOUT_S, after=warmed_up)
             await asyncio.sleep(config.scale_down_at_s)
-            victim = workers[0]
-            hook = (prestop_command(victim, config.grace_s, config.prestop_margin_s)
-                    if mode == "quiesce" else None)
-            deleting = time.monotonic()
-            deletion = await kubelet_delete(victim, config.grace_s, hook)
-            removal_s = time.monotonic() - deleting
-            run = await load
-        finally:
-            if not load.done():
-                load.cancel()  # kills aiperf's process group
-                with contextlib.suppress(asyncio.CancelledError):
-                    await load
-            keep_logs(workdir, front, workers)
-    if not run.raw_export.is_file():
-        log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
-        raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
-                           f"{run.timed_out}); its log ends:\n{log_tail}")
-    outcomes = read_outcomes(run.raw_export)
+        except BaseException:
+            await stop_load(load)
+            raise
+        victim = workers[0]
+        hook = (prestop_command(victim, config.grace_s, config.prestop_margin_s)
+                if mode == "quiesce" else None)
+        deletion, removal_s, run = await delete_during_load(load, victim, config.grace_s, hook)
+        keep_logs(workdir, front, workers)
+    outcomes = judged(run)
     summary = summarize(outcomes)
     ids = [o.request_id for o in outcomes]
     return ScaleRun(mode=mode, planned=len(records), sent=summary["sent"],

@@ -35,6 +35,7 @@ from tests.unit.dynamo_fakes import (
     WorkerType,
     WorkerUnavailable,
     push_egress_capable,
+    run_until_ready,
     served_endpoint,
     until,
 )
@@ -185,20 +186,7 @@ async def start(component: TrtllmComponent | None = None) -> tuple[TrtllmCompone
     """``component`` (default: a new one with a closed gate) installed and run until the
     model is registered; ``on_ready`` opens its gate."""
     component = component or TrtllmComponent(AdmissionGate(accepting=False))
-    ready = asyncio.Event()
-
-    async def on_ready() -> None:
-        component.gate.open()
-        ready.set()
-
-    component.on_ready = on_ready
-    component.install()
-    task = asyncio.create_task(component.run(["--model-path", "/models/m"]))
-    done, _ = await asyncio.wait({task, asyncio.create_task(ready.wait())}, timeout=5,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()
-    assert ready.is_set(), "the model was never registered"
+    task = await run_until_ready(component)
     await until(lambda: bool(component.endpoints and component.endpoints[0].handler))
     return component, task
 

@@ -22,9 +22,11 @@ import httpx
 
 from tests.integration.dynamo.processes import (
     GRACE_ENV,
+    assert_drained,
     dynamo_env,
     exit_report,
     free_port,
+    streams_then,
     wait_for_model,
 )
 from tests.integration.dynamo.reference import reference_worker
@@ -32,7 +34,6 @@ from tests.integration.worker_process import (
     StreamResult,
     Worker,
     running,
-    stream_completion,
     tail,
 )
 
@@ -42,16 +43,9 @@ STEP_S = 0.02
 EXIT_TIMEOUT_S = 60.0
 
 
-async def _streams_then(url: str, model: str, act: Callable[[], object]) -> list[StreamResult]:
-    """Start ``STREAMS`` streams; once each has its first token, call ``act()``; return
-    every stream read to its end."""
-    started = [asyncio.Event() for _ in range(STREAMS)]
-    tasks = [asyncio.create_task(stream_completion(
-        url, TOKENS, started=event, model=model, ignore_eos=True, include_usage=True,
-        timeout_s=60)) for event in started]
-    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
-    await asyncio.to_thread(act)
-    return list(await asyncio.gather(*tasks))
+async def _streams_then(url: str, model: str, act: Callable[[], object]
+                        ) -> list[StreamResult]:
+    return await streams_then(url, model, act, streams=STREAMS, tokens=TOKENS, timeout_s=60)
 
 
 def _listed(url: str, model: str) -> bool:
@@ -84,12 +78,7 @@ async def test_quiesce_completes_every_stream_and_exits_drained(
         results = await _streams_then(frontend_url, model, worker.signal)
         code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
     assert all(r.complete for r in results), f"{results}\n{tail(worker.lines)}"
-    report = exit_report(worker)
-    assert code == 0 and report is not None, tail(worker.lines)
-    assert report["outcome"] == "drained" and report["drained"] is True, report
-    requests = report["requests"]
-    assert isinstance(requests, dict)
-    assert requests["completed"] == STREAMS and requests["lost"] == 0, report
+    assert_drained(worker, code, STREAMS)
     assert await asyncio.to_thread(_unlisted_within, frontend_url, model, 10.0), \
         "the model card outlived the worker"
 
