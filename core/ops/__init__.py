@@ -1,7 +1,9 @@
 """The operator's tools: the ``quiesce`` command and what it shows.
 
-- :mod:`quiesce.ops.cli`: the ``quiesce`` console script (``python -m quiesce``): serve,
-  dynamo, drain, resume, status, prestop, doctor, demo;
+- :mod:`quiesce.ops.cli`: the ``quiesce`` console script (``python -m quiesce``): the
+  parser, serve, dynamo, demo;
+- :mod:`quiesce.ops.operator_commands`: ``quiesce`` drain, resume, status, prestop;
+- :mod:`quiesce.ops.doctor`: ``quiesce doctor``, an engine's sources checked for drift;
 - :mod:`quiesce.ops.admin_client`: a small synchronous client of a worker's admin API;
 - :mod:`quiesce.ops.status_format`: how a worker's status and a drain's progress read
   to a person;

@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from quiesce.ops.cli import DEFAULT_URL, build_parser
+from quiesce.ops.cli import build_parser
+from quiesce.ops.operator_commands import DEFAULT_URL
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 MANIFEST = DEPLOY / "worker.yaml"
