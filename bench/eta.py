@@ -202,7 +202,8 @@ def publish_cost() -> dict[str, float]:
     from vllm.v1.request import Request
 
     from quiesce.adapters.vllm.board import BoardWriter, ChangeFifo
-    from quiesce.adapters.vllm.plugin import _Publisher, pending_requests, scan_requests
+    from quiesce.adapters.vllm.eta import pending_requests, scan_requests
+    from quiesce.adapters.vllm.publisher import Publisher
 
     out: dict[str, float] = {}
     for size in SCAN_SIZES:
@@ -215,7 +216,7 @@ def publish_cost() -> dict[str, float]:
         core = types.SimpleNamespace(
             scheduler=_Scheduler(requests), batch_queue=None, step_fn=lambda: ({}, True),
             _handle_client_request=lambda *a: None, shutdown=lambda: None)
-        publisher = _Publisher(core)
+        publisher = Publisher(core)
         publisher.clock.record(0.0, 0.003, ran_model=True, busy_after=True)
         with tempfile.TemporaryDirectory() as tmp:
             fifo = ChangeFifo(os.path.join(tmp, "changes.fifo"))

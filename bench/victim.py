@@ -1,6 +1,6 @@
 """Scale-down by drain cost: how much sooner the cheapest worker drains than an arbitrary one.
 
-Each sample is one scale-down in the demo's simulated cluster (:mod:`quiesce.demo`:
+Each sample is one scale-down in the demo's simulated cluster (:mod:`quiesce.ops.demo`:
 four workers behind a lagging router, streaming requests with log-normal output
 lengths, a quarter of them disaggregated), replayed twice from the same seed: once
 removing an arbitrary worker (worker-0; among equally ready pods a ReplicaSet's choice
@@ -21,7 +21,7 @@ import random
 
 from bench.results_format import Result
 from bench.stats import median, percentile
-from quiesce.demo import DemoConfig, PolicyResult, run_policy
+from quiesce.ops.demo import DemoConfig, PolicyResult, run_policy
 
 NAME = "victim"
 SCALE_DOWNS = 40

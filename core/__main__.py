@@ -1,5 +1,5 @@
 import sys
 
-from quiesce.cli import main
+from quiesce.ops.cli import main
 
 sys.exit(main())

@@ -3,7 +3,7 @@
 A ReplicaSet that scales down picks its victim by readiness, phase and age, so it
 routinely drains the busiest worker while an idle one stays. A worker that publishes
 its drain cost lets the platform (Kubernetes' ``pod-deletion-cost`` annotation, see
-:mod:`quiesce.pod_deletion_cost`) or a planner (from ``GET /engine/status`` or the
+:mod:`quiesce.admin.pod_deletion_cost`) or a planner (from ``GET /engine/status`` or the
 ``quiesce_drain_cost`` metric) remove the cheapest one instead.
 
 :func:`drain_cost` is pure and costs nothing: it reads a probe snapshot the caller

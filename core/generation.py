@@ -1,13 +1,13 @@
 """One generation request between the serving face and an engine: what is asked, what comes back.
 
 Engine-neutral and standard library only, so that the OpenAI-compatible face
-(:mod:`quiesce.openai_api`) and every serving adapter (``SimServing``,
+(:mod:`quiesce.serve.openai_api`) and every serving adapter (``SimServing``,
 ``VllmServing``) share it without importing each other:
 
 - :class:`Sampling` is what the request asks of the sampler. Field names are vLLM's
   ``SamplingParams`` names; ``None`` means "not set by the request", and an engine then
   uses its own default. Built by one function in the face
-  (:func:`quiesce.openai_protocol.sampling_from`); each engine honours it or raises
+  (:func:`quiesce.serve.openai_protocol.sampling_from`); each engine honours it or raises
   :class:`~quiesce.errors.RequestRejected` naming what it cannot honour.
 - :class:`Delta` is one piece of the engine's output: new text, how many tokens it
   holds, and on the last piece the finish reason, the prompt's token count and the KV

@@ -15,7 +15,7 @@ For a worker that serves Dynamo endpoints with ``ai-dynamo-runtime``
   instead of sleeping a fixed grace period.
 - :mod:`.components` — hooks into Dynamo's own worker components (``dynamo.vllm``,
   ``dynamo.sglang``, ``dynamo.trtllm``), used by ``quiesce dynamo COMPONENT -- ...``
-  (:mod:`quiesce.dynamo_worker`).
+  (:mod:`quiesce.serve.dynamo_worker`).
 
 Nothing here imports ``dynamo`` at import time: :func:`loopback_runtime` and the
 component hooks import it when called (without it:

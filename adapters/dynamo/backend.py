@@ -18,8 +18,10 @@ Dynamo's own workers do it:
 Discovery is :class:`~.model_card.ModelCardDiscovery`: the card and the endpoint
 instance. The first registration of the instance is ``serve_endpoint`` itself, so
 ``Lifecycle.start()`` (gate open, then register) starts serving only after the gate
-opened and the card is listed — Dynamo's own order. Later registrations (a resume) use
-the instance calls of :class:`~.discovery.DynamoDiscovery`.
+opened and the card is listed — Dynamo's own order — and not at all once
+:attr:`DynamoBackend.stopping` says the worker is stopping (signalled while the card
+registered: the drain then takes the card off, nothing was served). Later
+registrations (a resume) use the instance calls of :class:`~.discovery.DynamoDiscovery`.
 
 :meth:`DynamoBackend.install_dynamo_shutdown` installs Dynamo's own graceful-shutdown
 helper instead of quiesce's drain (``dynamo.common.utils.graceful_shutdown``, from
@@ -139,6 +141,10 @@ class _ServedInstances:
 
     async def register(self, deadline: Deadline | None = None) -> None:
         if self._backend.serving is None:
+            if self._backend.stopping():
+                log.warning("the worker is stopping: the model card is registered, its "
+                            "endpoint is not served")
+                return
             self._backend.serve()
             self._instances.served()
             return
@@ -173,6 +179,9 @@ class DynamoBackend:
         self.endpoint: Any = None
         self.serving: asyncio.Task[None] | None = None
         """``serve_endpoint`` while it runs (it returns after ``runtime.shutdown()``)."""
+        self.stopping: Callable[[], bool] = lambda: False
+        """Set by the worker: True once it is stopping, when the first registration
+        registers the card but never starts ``serve_endpoint``."""
         self._discovery: ModelCardDiscovery | None = None
         self._llm: Any = None
         self._unavailable: Any = None

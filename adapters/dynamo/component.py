@@ -22,11 +22,17 @@ naming it, never a silent no-op). The shared parts:
 - **handlers** — each listed handler class's ``generate`` is admitted through the gate
   (:func:`~.gated.gated`, or :func:`~.gated_push.gated_push` for a push-egress handler);
   a closed gate raises Dynamo's ``WorkerUnavailable`` (HTTP 503, migratable by Dynamo's
-  frontend). How each request ended is read from its chunks (the handler's outcome).
+  frontend). How each request ended is read from its chunks (the handler's outcome), or,
+  for a handler that consumes the engine's results off its stream, from what one of its
+  methods returns (:class:`EngineEnd`, wrapped at install).
 
 Until the model is registered the probe answers idle (``dynamo.<engine>: never served``):
-Dynamo serves the endpoints only then (or refuses requests at the closed gate), so no
-request can have reached the engine. From then on it is the engine's.
+in the LLM worker each component runs, Dynamo serves the endpoints only once it called
+the hooked registration (or refuses requests at the closed gate), so no request can have
+reached the engine. From then on it is the engine's. That holds only for the worker
+kinds a component hooks: every other kind (an encode, embedding or realtime worker...)
+registers and serves through code no hook reaches, so each component refuses them
+(:class:`~quiesce.errors.ConfigError`) as soon as Dynamo parsed its arguments.
 
 :class:`ComponentControl` is the :class:`~quiesce.engine.EngineControl` the shutdown uses:
 ``abort_all`` aborts what the engine holds (the engine adapter's control) and sets
@@ -48,12 +54,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from types import ModuleType
 from typing import Any, ClassVar
 
-from quiesce.admission import AdmissionGate
+from quiesce.admission import AdmissionGate, Outcome
 from quiesce.engine import EngineControl
 from quiesce.errors import ConfigError, WorkerDraining
 from quiesce.probe import PendingWork, Probe, QuiescenceProbe, Role
 
-from .gated import FinishOutcome, gated
+from .gated import EngineEnds, FinishOutcome, gated
 from .gated_push import gated_push
 
 log = logging.getLogger("quiesce.adapters.dynamo.component")
@@ -86,14 +92,43 @@ class Hook:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineEnd:
+    """``cls.method`` (async) returns what says how the engine ended the request whose
+    ``context`` is its last argument; ``outcome(result, context)`` reads it (None: says
+    nothing). Recorded for :func:`~.gated.gated` (:class:`~.gated.EngineEnds`)."""
+
+    method: str
+    outcome: Callable[[Any, Any], Outcome | None]
+
+
+@dataclasses.dataclass(frozen=True)
 class GatedHandler:
     """``module.cls.generate`` admitted through the gate; ``outcome`` reads its chunks;
-    ``push``: the method is Dynamo's push-egress dispatcher (``response_sender``)."""
+    ``push``: the method is Dynamo's push-egress dispatcher (``response_sender``);
+    ``engine_end``: a pull handler's method whose result decides the outcome."""
 
     module: str
     cls: str
     outcome: FinishOutcome
     push: bool = False
+    engine_end: EngineEnd | None = None
+
+
+def _recording(method: Callable[..., Awaitable[Any]], ends: EngineEnds,
+               read: Callable[[Any, Any], Outcome | None]) -> Callable[..., Awaitable[Any]]:
+    """``method`` (:class:`EngineEnd`) that also records what its result says in ``ends``;
+    its result and exceptions are unchanged."""
+
+    @functools.wraps(method)
+    async def recorded(*args: Any, **kwargs: Any) -> Any:
+        result = await method(*args, **kwargs)
+        context = kwargs["context"] if "context" in kwargs else args[-1]
+        ended = read(result, context)
+        if ended is not None:
+            ends.record(context, ended)
+        return result
+
+    return recorded
 
 
 class EngineProbe(Probe):
@@ -154,6 +189,9 @@ class DynamoComponent:
         """The model card Dynamo registered for this worker (once it did)."""
         self._unregister_model: Callable[[Any], Awaitable[None]] | None = None
         self._callbacks: dict[str, Callable[[], Awaitable[object]] | None] = {}
+        self.warnings: list[str] = []
+        """What the operator must know about this worker (an untested engine accepted):
+        logged, and in the ready line and ``GET /engine/status``."""
         self._probe = EngineProbe(f"dynamo.{self.name}")
         self._main: ModuleType | None = None
         self._task: asyncio.Task[None] | None = None
@@ -209,8 +247,10 @@ class DynamoComponent:
         classes: dict[GatedHandler, Any] = {}
         for handler in handlers:
             cls: Any = getattr(modules[handler.module], handler.cls, None)
-            if not callable(getattr(cls, "generate", None)):
-                missing.append(f"{handler.module}.{handler.cls}.generate")
+            methods = ["generate"] + ([handler.engine_end.method] if handler.engine_end
+                                      else [])
+            missing += [f"{handler.module}.{handler.cls}.{method}" for method in methods
+                        if not callable(getattr(cls, method, None))]
             classes[handler] = cls
         self._unregister_model = getattr(modules[LLM_MODULE], "unregister_model", None)
         if self._unregister_model is None:
@@ -234,9 +274,17 @@ class DynamoComponent:
             module = modules[hook.module]
             setattr(module, hook.name, hook.wrap(getattr(module, hook.name)))
         for handler, cls in classes.items():
-            wrap = gated_push if handler.push else gated
-            cls.generate = wrap(cls.generate, self.gate, request_id_of,
-                                outcome=handler.outcome, refusal=refusal)
+            if handler.push:
+                cls.generate = gated_push(cls.generate, self.gate, request_id_of,
+                                          outcome=handler.outcome, refusal=refusal)
+            else:
+                ends: EngineEnds | None = None
+                if handler.engine_end is not None:
+                    ends, name = EngineEnds(), handler.engine_end.method
+                    setattr(cls, name, _recording(getattr(cls, name), ends,
+                                                  handler.engine_end.outcome))
+                cls.generate = gated(cls.generate, self.gate, request_id_of,
+                                     outcome=handler.outcome, refusal=refusal, ends=ends)
             setattr(cls.generate, GATED_MARK, True)
         self._main = main
 

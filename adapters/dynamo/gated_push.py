@@ -11,7 +11,8 @@ a sender (in-process callers, the health canary) it returns the handler's own st
 :func:`~.gated.gated` alone would see no chunk on the push path and count every pushed
 request lost. :func:`gated_push` admits the request the same way, and on the push path
 reads the outcome from what passes through the sender (the last response that states
-one counts; none stated → lost, fail closed). The pull path is :func:`~.gated.gated`'s.
+one counts; none stated → :func:`~.gated.unstated_outcome`: client gone when the client
+stopped the request, else lost). The pull path is :func:`~.gated.gated`'s.
 Its signature is the dispatcher's (``inspect.signature`` follows ``__wrapped__``), so the
 runtime still chooses push.
 """
@@ -25,7 +26,7 @@ from typing import Any
 from quiesce.admission import AdmissionGate, Outcome
 from quiesce.errors import ConfigError, WorkerDraining
 
-from .gated import FinishOutcome, Handler, gated
+from .gated import FinishOutcome, Handler, admit_or_refuse, gated, unstated_outcome
 
 
 class _WatchedSender:
@@ -59,12 +60,7 @@ def gated_push(dispatch: Callable[..., Any], gate: AdmissionGate,
     async def pushed(self: Any, request: Any, context: Any, sender: Any,
                      kwargs: dict[str, Any]) -> AsyncIterator[Any]:
         rid = request_id(self, request, context) if request_id is not None else None
-        try:
-            admission = gate.admit(rid)
-        except WorkerDraining as refused:
-            if refusal is None:
-                raise
-            raise refusal(refused) from refused
+        admission = admit_or_refuse(gate, rid, refusal)
         watched = _WatchedSender(sender, context, outcome)
         with admission:
             # relayed as they come: the push path yields nothing (responses go through
@@ -72,7 +68,7 @@ def gated_push(dispatch: Callable[..., Any], gate: AdmissionGate,
             async for item in dispatch(self, request, context, response_sender=watched,
                                        **kwargs):
                 yield item
-            admission.finish(watched.ended or Outcome.LOST)
+            admission.finish(watched.ended or unstated_outcome(context))
 
     @functools.wraps(dispatch)
     def admitted(self: Any, request: Any, context: Any = None, response_sender: Any = None,

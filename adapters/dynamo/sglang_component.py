@@ -27,11 +27,23 @@
 - ``init_llm.serve_via_gateway_children`` — refused (``ConfigError``): in gateway mode
   the requests are served by ``python -m dynamo.sglang`` children quiesce is not in.
 - ``request_handlers.DecodeWorkerHandler.generate`` and ``PrefillWorkerHandler.generate``
-  — gated, outcome read by :func:`~.outcomes.sglang_outcome`.
+  — gated, outcome read by :func:`~.outcomes.sglang_outcome`. The prefill handler yields
+  its bootstrap parameters before the prefill runs and then consumes the engine's
+  results off the stream, so its outcome is what ``PrefillWorkerHandler._consume_results``
+  returns (the final ``meta_info``: :func:`~.outcomes.sglang_final_outcome`; wrapped),
+  never the bootstrap chunk: an aborted prefill is lost (client gone when the client
+  stopped it).
 
-Version: the SGLang probe is tested on SGLang 0.5.23; on another release (0.5.21, which
-ai-dynamo 1.6.1 pins) it answers UNKNOWN naming the version, so a drain does not reach
-``drained`` and a SIGTERM runs to the budget (fail closed).
+Version: the SGLang probe is tested on SGLang 0.5.23; on another release it answers
+UNKNOWN naming the version, so a drain does not reach ``drained`` and a SIGTERM runs to
+the budget (fail closed). 0.5.21, which ai-dynamo 1.6.1 pins, was checked against its
+source and does not fit the adapter (:data:`~quiesce.adapters.sglang.UNSUPPORTED_VERSIONS`:
+its scheduler lacks what the adapter reads, so every read is UNKNOWN). An operator who
+checked another release accepts it with ``accept_untested_engine`` (``--accept-untested-
+engine VERSION``: exactly the installed release, never a tested or unsupported one): the
+probe then allows the version and the installed release's own ``is_fully_idle``
+fingerprint, and :attr:`~.component.DynamoComponent.warnings` says so (log, ready line,
+status).
 
 Control: :class:`~quiesce.adapters.sglang.SglangEngineControl` aborts what the engine
 holds (on a prefill worker it waits for the aborted KV writes); Dynamo's own teardown
@@ -47,13 +59,19 @@ import signal
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from quiesce.adapters.sglang import SglangEngineControl, SglangProbe
+from quiesce.adapters.sglang import (
+    SglangEngineControl,
+    SglangProbe,
+    accept_untested,
+    installed_sglang_version,
+    untested_fingerprints,
+)
 from quiesce.engine import EngineControl
 from quiesce.errors import ConfigError
 from quiesce.probe import QuiescenceProbe, Role
 
-from .component import CARD_ENDPOINT, DynamoComponent, GatedHandler, Hook
-from .outcomes import sglang_outcome
+from .component import CARD_ENDPOINT, DynamoComponent, EngineEnd, GatedHandler, Hook
+from .outcomes import sglang_final_outcome, sglang_outcome
 
 log = logging.getLogger("quiesce.adapters.dynamo.sglang_component")
 
@@ -87,10 +105,15 @@ class SglangComponent(DynamoComponent):
     name = "sglang"
     requirement = "ai-dynamo 1.6.1 and the SGLang it pins (pip install 'ai-dynamo[sglang]')"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, accept_untested_engine: str | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kept_out: list[tuple[int, Callable[..., Any]]] = []
         """The loop signal handlers kept out (signal, callback): SGLang's, normally."""
+        self.untested = accept_untested_engine is not None
+        """The operator accepted the installed SGLang untested (module docstring)."""
+        if accept_untested_engine is not None:
+            self._warn(accept_untested(accept_untested_engine, installed_sglang_version()))
 
     def hooks(self) -> Sequence[Hook]:
         return [Hook(MAIN, "parse_args", self._wrap_parse),
@@ -102,10 +125,20 @@ class SglangComponent(DynamoComponent):
 
     def handlers(self) -> Sequence[GatedHandler]:
         return [GatedHandler(HANDLERS, "DecodeWorkerHandler", sglang_outcome),
-                GatedHandler(HANDLERS, "PrefillWorkerHandler", sglang_outcome)]
+                GatedHandler(HANDLERS, "PrefillWorkerHandler", sglang_outcome,
+                             engine_end=EngineEnd("_consume_results", sglang_final_outcome))]
 
     def build_probe(self, engine: Any, role: Role) -> QuiescenceProbe:
-        return SglangProbe(engine, role)
+        if not self.untested:
+            return SglangProbe(engine, role)
+        fingerprints, said = untested_fingerprints()
+        self._warn(said)
+        return SglangProbe(engine, role, allow_untested_version=True,
+                           idle_fingerprints=fingerprints)
+
+    def _warn(self, text: str) -> None:
+        self.warnings.append(text)
+        log.warning("%s", text)
 
     def engine_control(self) -> EngineControl | None:
         # an unknown role settles as a prefill worker would (counts KV writes left behind)

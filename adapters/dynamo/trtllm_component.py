@@ -23,10 +23,11 @@
 - ``AggregatedHandler.generate`` (``request_handlers.aggregated_handler``),
   ``PrefillHandler.generate`` and ``DecodeHandler.generate``
   (``request_handlers.handlers``) — push-egress dispatchers, gated with
-  :func:`~.gated_push.gated_push`; outcome from Dynamo's ``finish_reason`` (a prefill's
-  ``length`` with its ``disaggregated_params`` is completed; ``{"error": ...}`` is lost).
-  A request the client cancelled ends without a finish reason in this handler: it is
-  counted lost (fail closed).
+  :func:`~.gated_push.gated_push`; outcome from Dynamo's ``finish_reason``, also on a
+  prefill (its ``length``, stated beside ``disaggregated_params``, is completed; the
+  parameters alone are not; ``{"error": ...}`` is lost).
+  A request the client cancelled ends without a finish reason in this handler: client
+  gone when its context says the client stopped it, else lost (fail closed).
 
 Control: :class:`~quiesce.adapters.trtllm.TrtllmEngineControl` aborts what the ``LLM``
 holds (counting context KV abandoned in transfer); Dynamo's own teardown
@@ -47,7 +48,6 @@ from quiesce.probe import QuiescenceProbe, Role
 
 from .component import CARD_ENDPOINT, DynamoComponent, GatedHandler, Hook
 from .gated import finish_outcome
-from .outcomes import handoff_outcome
 
 MAIN = "dynamo.trtllm.main"
 LLM_WORKER = "dynamo.trtllm.workers.llm_worker"
@@ -80,7 +80,7 @@ class TrtllmComponent(DynamoComponent):
 
     def handlers(self) -> Sequence[GatedHandler]:
         return [GatedHandler(AGGREGATED, "AggregatedHandler", finish_outcome, push=True),
-                GatedHandler(HANDLERS, "PrefillHandler", handoff_outcome, push=True),
+                GatedHandler(HANDLERS, "PrefillHandler", finish_outcome, push=True),
                 GatedHandler(HANDLERS, "DecodeHandler", finish_outcome, push=True)]
 
     def build_probe(self, engine: Any, role: Role) -> QuiescenceProbe:

@@ -1,7 +1,8 @@
 """SGLang adapter: a truthful probe for an SGLang worker, its engine control, and a plugin.
 
 Checked against SGLang 0.5.23 (contract tests on CPU against the real scheduler code,
-tests/integration/sglang). By process:
+tests/integration/sglang); 0.5.21 (what ai-dynamo 1.6.1 pins) was checked against its
+source and does not fit (:data:`~.probe.UNSUPPORTED_VERSIONS`). By process:
 
 - **main process** (holds ``Engine`` / ``TokenizerManager``):
   :class:`SglangProbe` (:mod:`.probe`) ANDs the scheduler's own ``is_fully_idle()`` on
@@ -26,10 +27,14 @@ raises :class:`~quiesce.errors.EngineNotInstalled` naming ``pip install 'quiesce
 from .control import SglangEngineControl
 from .probe import (
     TESTED_VERSIONS,
+    UNSUPPORTED_VERSIONS,
     SglangProbe,
+    accept_untested,
     installed_sglang_version,
     probe_factory,
+    untested_fingerprints,
 )
 
-__all__ = ["TESTED_VERSIONS", "SglangEngineControl", "SglangProbe", "installed_sglang_version",
-           "probe_factory"]
+__all__ = ["TESTED_VERSIONS", "UNSUPPORTED_VERSIONS", "SglangEngineControl", "SglangProbe",
+           "accept_untested", "installed_sglang_version", "probe_factory",
+           "untested_fingerprints"]

@@ -11,6 +11,12 @@ main process accepts only the fingerprints in :data:`TESTED_IDLE_FINGERPRINTS` (
 the operator adds after reading the new body). Anything else is UNKNOWN, with the
 fingerprint in the reason.
 
+The same code gives the same fingerprint on every Python from 3.10 to 3.13 (checked):
+the AST is written out field by field with its field names, leaving out fields that are
+empty (``None`` or ``[]``). ``ast.dump`` itself is not stable across versions (3.12 adds
+``type_params=[]`` to every function, 3.13 leaves empty fields out), so a fingerprint
+taken with it on 3.11 never matched the same SGLang running on 3.12.
+
 Cost: the first call per process reads and parses the method's source (about a
 millisecond, once, on the scheduler's loop thread); later calls are one dict lookup.
 A method whose source cannot be read (no ``.py`` in the install) raises, and the state
@@ -26,10 +32,17 @@ import textwrap
 from typing import Any
 
 TESTED_IDLE_FINGERPRINTS: dict[str, str] = {
-    "0.5.23": "e708b9f1362c674a",
+    "0.5.23": "6f3f9183c255378e",
 }
 """SGLang release → fingerprint of its ``Scheduler.is_fully_idle``, as checked by
 tests/integration/sglang/test_coverage.py against the installed wheel."""
+REFUSED_IDLE_FINGERPRINTS: dict[str, str] = {
+    "0.5.21": "3b00b244f84bc11a",
+}
+"""Bodies read from a release's wheel whose logic differs from a tested one's (0.5.21:
+0.5.23's without its check of decode's deferred KV releases, and without the
+``ignore_waiting`` rule for waiting requests that hold KV): never accepted, not even as
+the running release's own (:func:`installed_idle_fingerprint`)."""
 
 _cache: dict[Any, str] = {}
 
@@ -48,12 +61,42 @@ def idle_fingerprint(scheduler_class: type) -> str:
     cached = _cache.get(key)
     if cached is not None:
         return cached
-    tree = ast.parse(textwrap.dedent(inspect.getsource(func)))
-    digest = hashlib.sha256(ast.dump(tree, annotate_fields=False).encode()).hexdigest()[:16]
+    digest = source_fingerprint(inspect.getsource(func))
     _cache[key] = digest
     return digest
+
+
+def source_fingerprint(source: str) -> str:
+    """The fingerprint of one function's source text (indented or not; module docstring).
+
+    Raises SyntaxError for text that does not parse.
+    """
+    tree = ast.parse(textwrap.dedent(source))
+    return hashlib.sha256(_canonical(tree).encode()).hexdigest()[:16]
+
+
+def _canonical(node: Any) -> str:
+    """``node`` written out with its field names, empty fields left out (the same text on
+    every Python that parses the code to the same tree)."""
+    if isinstance(node, ast.AST):
+        fields = [f"{name}={_canonical(value)}" for name in node._fields
+                  if (value := getattr(node, name, None)) is not None and value != []]
+        return f"{type(node).__name__}({','.join(fields)})"
+    if isinstance(node, list):
+        return f"[{','.join(_canonical(item) for item in node)}]"
+    return repr(node)
 
 
 def accepted_fingerprints(extra: tuple[str, ...] = ()) -> frozenset[str]:
     """The tested fingerprints plus ``extra`` (the operator's own, after review)."""
     return frozenset(TESTED_IDLE_FINGERPRINTS.values()) | frozenset(extra)
+
+
+def installed_idle_fingerprint() -> str:
+    """The fingerprint of the installed SGLang's ``Scheduler.is_fully_idle``, read in this
+    process (the scheduler processes run the same installed code). Imports SGLang's
+    scheduler module: call it where SGLang is loaded already (``Engine`` imports it).
+    Raises ImportError, or what :func:`idle_fingerprint` raises."""
+    from sglang.srt.managers.scheduler import Scheduler  # noqa: PLC0415 (optional engine)
+
+    return idle_fingerprint(Scheduler)

@@ -43,7 +43,9 @@ What the probe never does, and why:
 - never polls a KV sender or receiver (a poll advances their state machines).
 
 Versions outside :data:`TESTED_VERSIONS` still answer, but UNKNOWN with the reason,
-unless the operator passed ``allow_untested_version=True``.
+unless the operator passed ``allow_untested_version=True`` (after checking the release:
+:func:`accept_untested`). A release in :data:`UNSUPPORTED_VERSIONS` was checked against
+its source and does not fit the adapter: UNKNOWN, allowed or not.
 """
 
 from __future__ import annotations
@@ -61,12 +63,27 @@ from .frontend import (
     main_process_work,
     read_requests,
 )
-from .idle_fingerprint import accepted_fingerprints
+from .idle_fingerprint import (
+    REFUSED_IDLE_FINGERPRINTS,
+    accepted_fingerprints,
+    installed_idle_fingerprint,
+)
 from .scheduler_rpc import DEFAULT_SCHEDULER_TIMEOUT_S, SCHEDULER_SOURCE, SchedulerStateReader
 from .topology import dp_ranks_of, topology_problem
 
 TESTED_VERSIONS = ("0.5.23",)
 """SGLang releases this adapter was contract-tested against (tests/integration/sglang)."""
+UNSUPPORTED_VERSIONS: dict[str, str] = {
+    "0.5.21": "checked against its source, not run: its scheduler lacks what the adapter "
+              "reads (Scheduler._deferred_input_requests; on prefill the KV manager's "
+              "defer_decode_allocation and _deferred_ack_poisoned_rooms; on decode "
+              "num_pending_deferred_releases), so every scheduler read is UNKNOWN; and its "
+              "is_fully_idle (fingerprint 3b00b244f84bc11a) does not count decode's "
+              "deferred KV releases (docs/sglang.md, \"Other SGLang releases\")",
+}
+"""SGLang releases checked against their source and found not to fit this adapter:
+release → why. UNKNOWN even with ``allow_untested_version``; never accepted."""
+ACCEPT_FIELD = "accept_untested_engine"
 VERSION_SOURCE = "sglang.version"
 TOPOLOGY_SOURCE = "sglang.topology"
 
@@ -83,11 +100,60 @@ def version_problem(version: str | None) -> str | None:
     """Why ``version`` is not one this adapter was tested on, or None if it is."""
     if version is None:
         return "SGLang is not installed in this environment"
+    unsupported = UNSUPPORTED_VERSIONS.get(version.split("+")[0])
+    if unsupported is not None:
+        return f"SGLang {version} does not fit this adapter: {unsupported}"
     if version.split("+")[0] not in TESTED_VERSIONS:
         return (f"SGLang {version} is outside the versions this adapter was tested on "
-                f"({', '.join(TESTED_VERSIONS)}); pass allow_untested_version=True after "
-                "checking it")
+                f"({', '.join(TESTED_VERSIONS)}); pass allow_untested_version=True "
+                "(quiesce dynamo sglang: --accept-untested-engine VERSION) after checking it")
     return None
+
+
+def accept_untested(accepted: str, installed: str | None) -> str:
+    """An operator's explicit acceptance of the installed SGLang, a release this adapter
+    was not tested on (``quiesce dynamo sglang --accept-untested-engine VERSION``): the
+    warning to show wherever the worker reports. :class:`ConfigError` (before anything
+    starts) unless ``accepted`` names exactly the installed release, and that release is
+    neither tested (nothing to accept) nor in :data:`UNSUPPORTED_VERSIONS`.
+
+    The probe then takes ``allow_untested_version=True`` and the installed release's own
+    ``is_fully_idle`` fingerprint (:func:`.idle_fingerprint.installed_idle_fingerprint`).
+    """
+    if installed is None:
+        raise ConfigError(ACCEPT_FIELD, "SGLang is not installed in this environment")
+    release = installed.split("+")[0]
+    if accepted.strip() not in (installed, release):
+        raise ConfigError(ACCEPT_FIELD, f"names SGLang {accepted!r}, but SGLang {installed} "
+                          "is installed: name the release you checked")
+    if release in TESTED_VERSIONS:
+        raise ConfigError(ACCEPT_FIELD, f"SGLang {installed} is a tested release: drop "
+                          "the option")
+    if release in UNSUPPORTED_VERSIONS:
+        raise ConfigError(ACCEPT_FIELD, f"SGLang {installed} cannot be accepted: "
+                          f"{UNSUPPORTED_VERSIONS[release]}")
+    return (f"UNTESTED ENGINE: SGLang {installed} is not a release quiesce's SGLang adapter "
+            f"was tested on ({', '.join(TESTED_VERSIONS)}); accepted by the operator "
+            f"(--accept-untested-engine {accepted.strip()}): a `drained` verdict trusts "
+            "this release's is_fully_idle and scheduler unchecked")
+
+
+def untested_fingerprints() -> tuple[tuple[str, ...], str]:
+    """After :func:`accept_untested`: the installed release's own ``is_fully_idle``
+    fingerprint to accept (none if it cannot be read, or is a refused one: the scheduler's
+    answers then stay UNKNOWN, naming it) and a line saying which, for the log and status.
+    Call where SGLang is loaded (:func:`.idle_fingerprint.installed_idle_fingerprint`)."""
+    try:
+        fingerprint = installed_idle_fingerprint()
+    except Exception as exc:
+        return (), (f"the installed SGLang's Scheduler.is_fully_idle cannot be fingerprinted "
+                    f"({type(exc).__name__}: {exc}): the scheduler's answers stay UNKNOWN")
+    if fingerprint in REFUSED_IDLE_FINGERPRINTS.values():
+        return (), (f"the installed SGLang's Scheduler.is_fully_idle (fingerprint "
+                    f"{fingerprint}) is one quiesce refuses: the scheduler's answers stay "
+                    "UNKNOWN")
+    return (fingerprint,), (f"UNTESTED ENGINE: Scheduler.is_fully_idle fingerprint "
+                            f"{fingerprint} accepted unreviewed (the installed release's)")
 
 
 def tokenizer_manager_of(engine: Any) -> Any:
@@ -133,8 +199,10 @@ class SglangProbe(Probe):
         self.dp_ranks = dp_ranks_of(self.tokenizer_manager)
         self._topology_problem = topology_problem(self.tokenizer_manager, self.role)
         self.version = installed_sglang_version()
-        self._version_problem = None if allow_untested_version else version_problem(
-            self.version)
+        self._version_problem = version_problem(self.version)
+        if allow_untested_version and (self.version is None or self.version.split("+")[0]
+                                       not in UNSUPPORTED_VERSIONS):
+            self._version_problem = None
 
     def main_process_work(self) -> PendingWork:
         """The signals read without a round trip (requests, load snapshot), merged; with

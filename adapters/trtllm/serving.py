@@ -30,7 +30,7 @@ Defaults that apply only when the operator set nothing for them: ``max_seq_len``
 model's (TensorRT-LLM derives it); ``gpu_memory_fraction`` (the share of free GPU memory
 the KV cache takes, ``kv_cache_config.free_gpu_memory_fraction``) is TensorRT-LLM's.
 
-Error mapping (the contract of :class:`~quiesce.openai_api.ServingEngine`): finish
+Error mapping (the contract of :class:`~quiesce.serve.openai_api.ServingEngine`): finish
 reason ``stop``/``length`` ends the stream normally, and so does ``not_finished`` on a
 context-only request (how TensorRT-LLM ends a prefill whose KV waits for the decode
 worker): it is reported as ``length`` (completed; the prefill produced the one token it
@@ -130,7 +130,8 @@ def restore_signal_handlers(before: Mapping[signal.Signals, Any]) -> list[str]:
 
 
 class TrtllmServing:
-    """:class:`~quiesce.openai_api.ServingEngine` over ``tensorrt_llm.LLM`` (module docstring)."""
+    """:class:`~quiesce.serve.openai_api.ServingEngine` over ``tensorrt_llm.LLM`` (module
+    docstring)."""
 
     def __init__(self, model: str, role: Role | str = Role.AGGREGATED, *,
                  max_model_len: int | None = None, served_model_name: str | None = None,

@@ -3,7 +3,7 @@ read without a round trip.
 
 A utility call to EngineCore is answered only between two engine steps, so a probe that
 asks each time waits up to one step plus a trip through two processes. Instead, once a
-probe subscribes, quiesce's plugin (:mod:`.plugin`) writes the scheduler's counts into a
+probe subscribes, quiesce's plugin (:mod:`.publisher`) writes the scheduler's counts into a
 small memory-mapped file after every engine step (and after every client
 request), and the frontend reads them in microseconds. Nothing here imports vLLM or
 quiesce's core; both sides use this module.
@@ -32,7 +32,7 @@ Writer (EngineCore process), :class:`BoardWriter`:
   ``abandoned``, and the plugin stops publishing to it.
 - ``close()`` publishes the CLOSED flag (the engine is shutting down) and unmaps.
 
-The ETA fields are what the plugin computed after the same step (:mod:`.plugin`,
+The ETA fields are what the plugin computed after the same step (:mod:`.eta`,
 ``estimate``): how long the engine still needs if nothing new arrives. They are
 informational; a reader never derives a verdict from them.
 

@@ -1,6 +1,6 @@
 """Ending a vLLM worker's processes promptly once the engine is shut down.
 
-Why (measured on vLLM 0.32, CPU build, ``quiesce serve --engine vllm``; ``bench/shutdown.py``):
+Why (measured on vLLM 0.32, CPU build, ``quiesce serve --engine vllm``; ``bench/shutdown/``):
 the worker has three Python processes, the frontend (``AsyncLLM``), EngineCore and its
 model runner (``VllmWorker-0``), and each has imported ~5,500 modules (torch, vLLM,
 transformers). After a process's own cleanup, a normal interpreter exit clears every

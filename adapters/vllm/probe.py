@@ -37,7 +37,7 @@ Where each signal is read, what it costs, and what its absence means:
 
 **Drain ETA** (``PendingWork.eta``, informational: it never changes a verdict): each
 EngineCore's plugin estimates, after every step, how long its pending requests still
-take (remaining tokens x its timed step period; :mod:`.plugin`) and publishes it with the
+take (remaining tokens x its timed step period; :mod:`.eta`) and publishes it with the
 counts. The probe turns each engine's figures into a :class:`~quiesce.eta.DrainEta`
 (:func:`drain_eta`) and combines the DP engines (the slowest one). It is ``None`` where
 EngineCore only answers ``has_work``; unknown or unbounded, with the reason, where the
@@ -66,8 +66,8 @@ from quiesce.eta import DrainEta
 from quiesce.probe import Detail, PendingWork, Probe, Role
 
 from .board import NO_VALUE, BoardFlags, BoardSnapshot, EtaFlags, counts_key
-from .plugin import SNAPSHOT_METHOD
 from .subscription import BoardSubscription, shared_subscription, unsubscribe
+from .utilities import SNAPSHOT_METHOD
 
 TESTED_VERSIONS = ("0.31", "0.32", "0.33")
 """vLLM minor versions whose attributes this adapter was checked against (see README)."""

@@ -18,7 +18,7 @@ nothing for it):
   would reserve 92 % of the machine's memory and refuses to start when that much is not
   free.
 
-Error mapping (the contract of :class:`~quiesce.openai_api.ServingEngine`): finish
+Error mapping (the contract of :class:`~quiesce.serve.openai_api.ServingEngine`): finish
 reason ``stop``/``length`` ends the stream normally; ``abort`` or ``error``, a dead
 engine (``EngineDeadError``) and a failed generate (``EngineGenerateError``) raise
 :class:`~quiesce.errors.RequestAborted`; sampling parameters vLLM refuses, a

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .board import BoardError, BoardReader, BoardSnapshot, ChangeFifo, counts_key
-from .plugin import SUBSCRIBE_METHOD
+from .utilities import SUBSCRIBE_METHOD
 
 FIFO_NAME = "changes.fifo"
 SHARED_MEMORY_DIR = "/dev/shm"

@@ -5,13 +5,20 @@ log, and the victim's part of a run's JSON."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 from bench.replay import aiperf
+from bench.replay.judge import RequestOutcome, read_outcomes
 from tests.integration.dynamo.processes import Frontend
-from tests.integration.worker_process import Worker, stream_completion
+from tests.integration.worker_process import (
+    Deletion,
+    Worker,
+    kubelet_delete,
+    stream_completion,
+)
 
 WARM_UP_ROUNDS = 3
 WARM_UP_CONCURRENCY = 4
@@ -62,3 +69,38 @@ def victim_dict(exit_code: int | None, prestop_code: int | None,
     return {"exit_code": exit_code, "prestop_code": prestop_code,
             "signal_to_exit_s": signal_to_exit_s, "outcome": report.get("outcome"),
             "lost_requests": report.get("lost_requests")}
+
+
+async def delete_during_load(load: asyncio.Task[aiperf.AiperfRun], victim: Worker,
+                             grace_s: float, prestop: list[str] | None
+                             ) -> tuple[Deletion, float, aiperf.AiperfRun]:
+    """Delete ``victim`` as the kubelet does (``prestop`` hook if any, SIGTERM, SIGKILL at
+    ``grace_s``) while aiperf's ``load`` runs, then wait for the load: the deletion, its
+    seconds from start to the victim's exit, and aiperf's run. On any error aiperf is
+    stopped (its process group killed) before the error propagates."""
+    try:
+        started = time.monotonic()
+        deletion = await kubelet_delete(victim, grace_s, prestop)
+        removal_s = time.monotonic() - started
+        return deletion, removal_s, await load
+    finally:
+        await stop_load(load)
+
+
+async def stop_load(load: asyncio.Task[aiperf.AiperfRun]) -> None:
+    """Cancel aiperf's run if it still goes (which kills its process group) and wait."""
+    if not load.done():
+        load.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await load
+
+
+def judged(run: aiperf.AiperfRun) -> list[RequestOutcome]:
+    """Every request of aiperf's raw export, judged; RuntimeError with aiperf's log tail
+    when there is no export (aiperf failed, was killed, or every request failed: aiperf
+    0.13 then writes none)."""
+    if not run.raw_export.is_file():
+        log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
+        raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
+                           f"{run.timed_out}); its log ends:\n{log_tail}")
+    return read_outcomes(run.raw_export)

@@ -14,7 +14,7 @@ migrate); or a disaggregated pair (:mod:`tests.integration.dynamo.disagg`: a pre
 worker, the one scaled down, and a decode worker that pulls its KV over NIXL, slower
 than the load so that pulls queue).
 Every request is judged from aiperf's raw export by reading its stream to the end
-(:func:`bench.replay.aiperf.read_outcomes`). Migrations are read from the frontend's own
+(:func:`bench.replay.judge.read_outcomes`). Migrations are read from the frontend's own
 log (``migration retry scheduled``, with ``migration.tokens_completed``: the tokens the
 client already had, which the new worker recomputes with the prompt).
 
@@ -35,8 +35,18 @@ from typing import Any
 
 import httpx
 
-from bench.dynamo.common import first_request, keep_logs, victim_dict, warm_up
+from bench.dynamo.common import (
+    delete_during_load,
+    first_request,
+    judged,
+    keep_logs,
+    stop_load,
+    victim_dict,
+    warm_up,
+)
 from bench.replay import aiperf
+from bench.replay.judge import summarize
+from bench.replay.trace import Phase, UniformLengths, write_trace
 from bench.stats import percentile
 from tests.integration.dynamo.disagg import disagg_args, disagg_env
 from tests.integration.dynamo.processes import (
@@ -47,7 +57,7 @@ from tests.integration.dynamo.processes import (
     wait_for_model,
     write_template,
 )
-from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
+from tests.integration.worker_process import Worker, prestop_command
 
 GRACE_S = 120.0
 """terminationGracePeriodSeconds of the victim's pod (SIGKILL after it)."""
@@ -55,13 +65,13 @@ QUIESCE_BUDGET_S = 60.0
 PRESTOP_MARGIN_S = 55.0
 """``quiesce prestop --margin``: above the worker's budget, as deploy/kubernetes says."""
 LOAD_START_TIMEOUT_S = 300.0
-INPUT_LENGTHS = aiperf.UniformLengths(8, 24)
-OUTPUT_LENGTHS = aiperf.UniformLengths(200, 400)
+INPUT_LENGTHS = UniformLengths(8, 24)
+OUTPUT_LENGTHS = UniformLengths(200, 400)
 """At the paced step (0.02 s) a stream runs 4-8 s alone, longer with others in the batch
 on two cores: long streams, as the field report's reasoning requests were, most of those
 on the victim outlive a fixed 5 s grace (with 120-260 tokens, 0 to 2 of 14 did, run to
 run, and the arms compared little)."""
-DISAGGREGATED_OUTPUT_LENGTHS = aiperf.UniformLengths(40, 80)
+DISAGGREGATED_OUTPUT_LENGTHS = UniformLengths(40, 80)
 PULL_FAILURE = "NIXL_ERR_REMOTE_DISCONNECT"
 MIGRATION = re.compile(r"migration retry scheduled.*?tokens_completed\S*?=\S*?(\d+)"
                        r".*?x_request_id\S*?=\S*?\"?([0-9a-f-]+)")
@@ -94,21 +104,21 @@ class DynamoReplayConfig:
     load_s: float = 12.0
     scale_down_at_s: float = 4.0
     disaggregated_rate_rps: float = 2.0
-    disaggregated_output_lengths: aiperf.UniformLengths = DISAGGREGATED_OUTPUT_LENGTHS
+    disaggregated_output_lengths: UniformLengths = DISAGGREGATED_OUTPUT_LENGTHS
     """Arrivals and lengths of the disaggregated arms: more than the decoder serves at once
     (``--max-num-seqs`` 2), so that requests wait in its queue with their KV still on the
     prefill worker, and short enough that the queue empties well within the budget."""
-    input_lengths: aiperf.UniformLengths = INPUT_LENGTHS
-    output_lengths: aiperf.UniformLengths = OUTPUT_LENGTHS
+    input_lengths: UniformLengths = INPUT_LENGTHS
+    output_lengths: UniformLengths = OUTPUT_LENGTHS
     step_s: float = 0.02
     seed: int = 1
 
-    def phases(self, arm: Arm) -> tuple[aiperf.Phase, ...]:
+    def phases(self, arm: Arm) -> tuple[Phase, ...]:
         duration = self.scale_down_at_s if arm.last_of_its_kind else self.load_s
         rate = self.disaggregated_rate_rps if arm.disaggregated else self.rate_rps
-        return (aiperf.Phase(rate, duration),)
+        return (Phase(rate, duration),)
 
-    def output_lengths_of(self, arm: Arm) -> aiperf.UniformLengths:
+    def output_lengths_of(self, arm: Arm) -> UniformLengths:
         return self.disaggregated_output_lengths if arm.disaggregated else self.output_lengths
 
 
@@ -220,9 +230,9 @@ def _prepare(arm: Arm, config: DynamoReplayConfig, workdir: Path
     (workdir / "store").mkdir(parents=True, exist_ok=True)
     template = write_template(workdir)
     trace = workdir / "trace.jsonl"
-    records = aiperf.write_trace(trace, config.phases(arm), seed=config.seed,
-                                 input_lengths=config.input_lengths,
-                                 output_lengths=config.output_lengths_of(arm))
+    records = write_trace(trace, config.phases(arm), seed=config.seed,
+                          input_lengths=config.input_lengths,
+                          output_lengths=config.output_lengths_of(arm))
     return trace, records, template
 
 
@@ -244,27 +254,18 @@ async def run_arm(arm: Arm, config: DynamoReplayConfig, workdir: Path, model: Pa
             victim = workers[0]
             held = _held_at_scale_down(victim) if arm.disaggregated and arm.quiesce else None
             scale_down_wall_ns = time.time_ns()
-            signal_at = time.monotonic()
             prestop = (prestop_command(victim, GRACE_S, PRESTOP_MARGIN_S) if arm.quiesce
                        else None)
-            deletion = await kubelet_delete(victim, GRACE_S, prestop)
-            removal_s = time.monotonic() - signal_at
-            run = await load
-        finally:
-            if not load.done():
-                load.cancel()  # kills aiperf's process group
-                with contextlib.suppress(asyncio.CancelledError):
-                    await load
+        except BaseException:
+            await stop_load(load)
+            raise
+        deletion, removal_s, run = await delete_during_load(load, victim, GRACE_S, prestop)
         migrated_requests = migrations(front.process.lines)
         keep_logs(workdir, front, workers)
         pull_failures = (sum(PULL_FAILURE in line for line in workers[1].lines)
                          if arm.disaggregated else None)
-    if not run.raw_export.is_file():  # aiperf failed or was killed: nothing to judge
-        log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
-        raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
-                           f"{run.timed_out}); its log ends:\n{log_tail}")
-    outcomes = aiperf.read_outcomes(run.raw_export)
-    summary = aiperf.summarize(outcomes)
+    outcomes = judged(run)
+    summary = summarize(outcomes)
     ids = [o.request_id for o in outcomes]
     in_flight = [(o.end_ns - o.start_ns) / 1e9 for o in outcomes
                  if o.start_ns is not None and o.end_ns is not None

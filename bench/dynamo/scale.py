@@ -20,7 +20,7 @@ Modes (:data:`MODES`), the same workers and trace, only the shutdown differs:
   and quiet, close admission, wait for every admitted stream), preStop ``quiesce prestop``.
 
 Every request is judged from aiperf's raw export by reading its stream to the end
-(:func:`bench.replay.aiperf.read_outcomes`): an error event inside a 200 is a loss.
+(:func:`bench.replay.judge.read_outcomes`): an error event inside a 200 is a loss.
 
 Failure behaviour: an unknown mode or a bad config raises ValueError before anything
 starts; a process that cannot start, or aiperf that writes no raw export, raises
@@ -38,16 +38,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.dynamo.common import first_request, keep_logs, victim_dict, warm_up
+from bench.dynamo.common import (
+    delete_during_load,
+    first_request,
+    judged,
+    keep_logs,
+    stop_load,
+    victim_dict,
+    warm_up,
+)
 from bench.replay import aiperf
+from bench.replay.judge import summarize
 from bench.replay.run import OUTPUT_LENGTHS
+from bench.replay.trace import LengthDistribution, Phase, UniformLengths, write_trace
 from tests.integration.dynamo.processes import frontend, wait_for_model
 from tests.integration.dynamo.reference import reference_worker
-from tests.integration.worker_process import Worker, kubelet_delete, prestop_command
+from tests.integration.worker_process import Worker, prestop_command
 
 MODES = {"dynamo_default": "dynamo", "quiesce": "quiesce"}
 """Mode → the workers' ``--dynamo-shutdown``."""
-INPUT_LENGTHS = aiperf.UniformLengths(8, 24)
+INPUT_LENGTHS = UniformLengths(8, 24)
 """Short prompts: the frontend tokenizes every one of them on two shared cores."""
 LOAD_START_TIMEOUT_S = 300.0
 """How long aiperf may take to send its first request (it synthesizes prompts first)."""
@@ -65,8 +75,8 @@ class ScaleConfig:
     """Seconds after the frontend saw aiperf's first request."""
     workers: int = 4
     decode_step_s: float = 0.1
-    input_lengths: aiperf.LengthDistribution = INPUT_LENGTHS
-    output_lengths: aiperf.LengthDistribution = OUTPUT_LENGTHS
+    input_lengths: LengthDistribution = INPUT_LENGTHS
+    output_lengths: LengthDistribution = OUTPUT_LENGTHS
     """Median 50 tokens (5 s at 0.1 s a step), tail up to 300 (30 s): about half the
     streams outlive a fixed 5 s grace, as in the field report (bench.replay)."""
     grace_s: float = 120.0
@@ -98,16 +108,16 @@ class ScaleConfig:
         """A short run: 2 workers, 4 req/s for 10 s, streams of 6-8 s (every stream the
         victim holds outlives Dynamo's 5 s grace)."""
         return cls(rate_rps=4.0, load_s=10.0, scale_down_at_s=3.0, workers=2,
-                   decode_step_s=0.02, output_lengths=aiperf.UniformLengths(300, 400))
+                   decode_step_s=0.02, output_lengths=UniformLengths(300, 400))
 
-    def phases(self) -> tuple[aiperf.Phase, ...]:
-        return (aiperf.Phase(self.rate_rps, self.load_s),)
+    def phases(self) -> tuple[Phase, ...]:
+        return (Phase(self.rate_rps, self.load_s),)
 
 
 @dataclasses.dataclass
 class ScaleRun:
     """What one run found. ``failed``/``failures``: requests lost, by primary reason
-    (:func:`bench.replay.aiperf.summarize`); ``victim_*``: the scaled-down worker
+    (:func:`bench.replay.judge.summarize`); ``victim_*``: the scaled-down worker
     (``exit_code`` None: SIGKILLed at the grace period; ``prestop_code`` None: no hook)."""
 
     mode: str
@@ -170,9 +180,9 @@ async def run_scale(mode: str, workdir: Path, model: Path,
     store = workdir / "store"
     store.mkdir(parents=True, exist_ok=True)
     trace = workdir / "trace.jsonl"
-    records = aiperf.write_trace(trace, config.phases(), seed=config.seed,
-                                 input_lengths=config.input_lengths,
-                                 output_lengths=config.output_lengths)
+    records = write_trace(trace, config.phases(), seed=config.seed,
+                          input_lengths=config.input_lengths,
+                          output_lengths=config.output_lengths)
     with frontend(store) as front, _workers(mode, store, model, config) as workers:
         await asyncio.to_thread(wait_for_model, front.url, str(model))
         await warm_up(front.url, str(model), LOAD_START_TIMEOUT_S)
@@ -183,25 +193,16 @@ async def run_scale(mode: str, workdir: Path, model: Path,
         try:
             await first_request(front, load, LOAD_START_TIMEOUT_S, after=warmed_up)
             await asyncio.sleep(config.scale_down_at_s)
-            victim = workers[0]
-            hook = (prestop_command(victim, config.grace_s, config.prestop_margin_s)
-                    if mode == "quiesce" else None)
-            deleting = time.monotonic()
-            deletion = await kubelet_delete(victim, config.grace_s, hook)
-            removal_s = time.monotonic() - deleting
-            run = await load
-        finally:
-            if not load.done():
-                load.cancel()  # kills aiperf's process group
-                with contextlib.suppress(asyncio.CancelledError):
-                    await load
-            keep_logs(workdir, front, workers)
-    if not run.raw_export.is_file():
-        log_tail = run.log.read_text(errors="replace")[-2000:] if run.log.is_file() else ""
-        raise RuntimeError(f"aiperf wrote no raw export (exit {run.returncode}, timed out: "
-                           f"{run.timed_out}); its log ends:\n{log_tail}")
-    outcomes = aiperf.read_outcomes(run.raw_export)
-    summary = aiperf.summarize(outcomes)
+        except BaseException:
+            await stop_load(load)
+            raise
+        victim = workers[0]
+        hook = (prestop_command(victim, config.grace_s, config.prestop_margin_s)
+                if mode == "quiesce" else None)
+        deletion, removal_s, run = await delete_during_load(load, victim, config.grace_s, hook)
+        keep_logs(workdir, front, workers)
+    outcomes = judged(run)
+    summary = summarize(outcomes)
     ids = [o.request_id for o in outcomes]
     return ScaleRun(mode=mode, planned=len(records), sent=summary["sent"],
                     failed=summary["failed"], failures=summary["failures"],

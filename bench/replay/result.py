@@ -13,7 +13,7 @@ process group):
   cost at that moment (what ``--publish-deletion-cost`` makes a ReplicaSet pick).
 
 Failed requests are counted from aiperf's raw export by reading every stream to its end
-(:func:`bench.replay.aiperf.read_outcomes`); aiperf's own error count is kept beside it.
+(:func:`bench.replay.judge.read_outcomes`); aiperf's own error count is kept beside it.
 ``unregister_to_router_ms_etcd``: the slowest, over every scale-down of the replays, from
 the victim entering ``draining`` (its status's ``since``; the unregister comes right
 after) to the router (its own process) dropping it; ``unregister_to_router_missing``

@@ -45,7 +45,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from quiesce.adapters.etcd import EtcdWatcher
-from quiesce.server import EmbeddedServer, bind_socket
+from quiesce.admin.server import EmbeddedServer, bind_socket
 
 log = logging.getLogger("bench.replay.router")
 

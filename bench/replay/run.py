@@ -2,7 +2,7 @@
 
 :func:`replay` runs one policy end to end:
 
-1. writes the two-phase mooncake trace (:func:`bench.replay.aiperf.write_trace`);
+1. writes the two-phase mooncake trace (:func:`bench.replay.trace.write_trace`);
 2. starts the cluster (:class:`bench.replay.cluster.Cluster`: etcd, ``workers``
    reference workers under the policy, the router);
 3. starts aiperf against the router (its own process tree) and waits for the router's
@@ -12,7 +12,7 @@
    delivery, each as its own task, and waits until every victim's process is gone;
 5. waits for aiperf to finish, then stops the remaining workers;
 6. judges every request from aiperf's raw export by reading its stream to the end
-   (:func:`bench.replay.aiperf.read_outcomes`), and keeps aiperf's own count beside it.
+   (:func:`bench.replay.judge.read_outcomes`), and keeps aiperf's own count beside it.
 
 Failure behaviour: a worker, the router or aiperf that cannot start raises (the run is
 void, never counted as a pass), and so does a scale-down that finds no worker to remove;
@@ -34,6 +34,8 @@ from typing import Any
 
 from bench.replay import aiperf
 from bench.replay.cluster import DELIVERIES, Cluster, ScaleDown
+from bench.replay.judge import read_outcomes, summarize
+from bench.replay.trace import LogNormalLengths, Phase, write_trace
 
 log = logging.getLogger("bench.replay")
 
@@ -44,7 +46,7 @@ LOAD_START_TIMEOUT_S = 300.0
 starts its services first: 10-30 s here)."""
 
 
-OUTPUT_LENGTHS = aiperf.LogNormalLengths(median=50, sigma=0.8, minimum=4, maximum=300)
+OUTPUT_LENGTHS = LogNormalLengths(median=50, sigma=0.8, minimum=4, maximum=300)
 """The default trace's output lengths. At :data:`DECODE_STEP_S` a token a median stream
 runs 5 s and the tail 30 s, as a reasoning model's answers do at ~100 tokens/s, with ten
 times fewer tokens (so that this 2-core machine carries every token through the router
@@ -61,13 +63,13 @@ def _default_trace_options() -> dict[str, Any]:
 class ReplayConfig:
     """What one replay does. ``scale_downs``: (seconds into the load, delivery)."""
 
-    phases: tuple[aiperf.Phase, ...] = (aiperf.Phase(8.0, 90.0), aiperf.Phase(0.2, 30.0))
+    phases: tuple[Phase, ...] = (Phase(8.0, 90.0), Phase(0.2, 30.0))
     workers: int = 4
     scale_downs: tuple[tuple[float, str], ...] = ((25.0, "kubelet"), (55.0, "group"))
     decode_step_s: float = DECODE_STEP_S
     seed: int = 1
     trace_options: dict[str, Any] = dataclasses.field(default_factory=_default_trace_options)
-    """Passed to :func:`bench.replay.aiperf.write_trace` (output lengths and the like)."""
+    """Passed to :func:`bench.replay.trace.write_trace` (output lengths and the like)."""
 
     def __post_init__(self) -> None:
         if not self.phases:
@@ -165,8 +167,8 @@ async def replay(policy: str, config: ReplayConfig, workdir: Path, *,
 async def _replay(policy: str, config: ReplayConfig, workdir: Path, *, victim_by_cost: bool,
                   failed_request_threshold: float | None, started: float) -> PolicyRun:
     trace = workdir / "trace.jsonl"
-    planned = len(aiperf.write_trace(trace, config.phases, seed=config.seed,
-                                     **config.trace_options))
+    planned = len(write_trace(trace, config.phases, seed=config.seed,
+                              **config.trace_options))
     with Cluster(policy, config.workers, config.decode_step_s) as cluster:
         async with cluster.routed() as router:
             load = asyncio.create_task(aiperf.run_aiperf(
@@ -191,8 +193,8 @@ async def _replay(policy: str, config: ReplayConfig, workdir: Path, *, victim_by
                         await load
             end = await cluster.stop_all()
             stats = await router.stats()
-    outcomes = aiperf.read_outcomes(run.raw_export)
-    summary = aiperf.summarize(outcomes)
+    outcomes = read_outcomes(run.raw_export)
+    summary = summarize(outcomes)
     own = _aiperf_own(run)
     ids = [outcome.request_id for outcome in outcomes]
     complete = (summary["sent"] == planned and len(set(ids)) == len(ids)

@@ -35,7 +35,8 @@ variants every phase shares, other processes' CPU use),
 :mod:`~bench.vllm.idle` (1), :mod:`~bench.vllm.busy` (2), :mod:`~bench.vllm.throughput`
 (3, and the comparison of its rounds), :mod:`~bench.vllm.detection` (4),
 :mod:`~bench.vllm.publish` (5), :mod:`~bench.vllm.run` (the phases in order, the second
-engine, the child process), :mod:`~bench.vllm.result` (metrics, targets, parameters and
-notes) and ``__main__`` (``python -m bench.vllm``). Import them absolutely
-(``from bench.vllm.engine import ...``): ``import vllm`` in them is the real vLLM.
+engine, the child process), :mod:`~bench.vllm.measured` (what a run measured),
+:mod:`~bench.vllm.result` (metrics, targets, parameters and notes) and ``__main__``
+(``python -m bench.vllm``). Import them absolutely (``from bench.vllm.engine import
+...``): ``import vllm`` in them is the real vLLM.
 """

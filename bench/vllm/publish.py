@@ -32,7 +32,7 @@ def measure(model: Path, release_dir: Path) -> dict[str, float]:
     from vllm import LLM, SamplingParams
 
     from quiesce.adapters.vllm.board import BoardWriter, ChangeFifo
-    from quiesce.adapters.vllm.plugin import count_pending
+    from quiesce.adapters.vllm.publisher import count_pending
     from tests.integration.vllm.tiny_model import engine_kwargs, holding_connector
 
     llm = LLM(model=str(model), tokenizer=str(model), **engine_kwargs(),

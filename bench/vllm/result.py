@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from bench.results_format import Result
 from bench.stats import median, percentile
@@ -26,6 +25,7 @@ from bench.vllm.detection import (
 )
 from bench.vllm.engine import STREAMS, VARIANTS, WORKER_CPUS_ENV
 from bench.vllm.idle import IDLE_PAUSE_S, IDLE_READS, IDLE_WARMUP_READS
+from bench.vllm.measured import Measured
 from bench.vllm.throughput import (
     BOOTSTRAP_RESAMPLES,
     POLL_INTERVAL_S,
@@ -37,9 +37,6 @@ from bench.vllm.throughput import (
     rounds_table,
 )
 from quiesce.adapters.vllm import installed_vllm_version
-
-if TYPE_CHECKING:
-    from bench.vllm.run import Measured
 
 NAME = "vllm"
 

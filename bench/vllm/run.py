@@ -1,16 +1,16 @@
 """The run: every phase on one engine, then the comparisons that need more.
 
 :func:`run` prepares the environment, builds the tiny model and starts the pinned engine
-for phases 1-4 (:class:`Measured`, with the other processes' CPU share per phase); when
-time allows, a second engine in vLLM's default binding repeats phase 3
-(:class:`Unpinned`); last, :mod:`bench.vllm.publish` measures the board's cost inside
-EngineCore in a child process. :func:`bench.vllm.result.result` turns it into the Result.
+for phases 1-4 (:class:`~bench.vllm.measured.Measured`, with the other processes' CPU
+share per phase); when time allows, a second engine in vLLM's default binding repeats
+phase 3 (:class:`~bench.vllm.measured.Unpinned`); last, :mod:`bench.vllm.publish`
+measures the board's cost inside EngineCore in a child process.
+:func:`bench.vllm.result.result` turns it into the Result.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import json
 import os
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.results_format import Result
-from bench.vllm.busy import BusySamples, busy
-from bench.vllm.detection import Drain, detect
+from bench.vllm.busy import busy
+from bench.vllm.detection import detect
 from bench.vllm.engine import (
     REPO,
     UNPINNED,
@@ -38,36 +38,16 @@ from bench.vllm.engine import (
     settle,
     start_engine,
 )
-from bench.vllm.idle import IdleSamples, idle
+from bench.vllm.idle import idle
+from bench.vllm.measured import Measured, Unpinned
 from bench.vllm.result import result
-from bench.vllm.throughput import THROUGHPUT_ROUNDS, UNPINNED_ROUNDS, Round, throughput
+from bench.vllm.throughput import THROUGHPUT_ROUNDS, UNPINNED_ROUNDS, throughput
 from quiesce import Role
 from quiesce.adapters.vllm import VllmProbe
 
 SECOND_ENGINE_BEFORE_S = 120.0
 """The unpinned comparison (a second engine start) runs only if the main measurements
 ended within this many seconds, to keep the benchmark within about 4 minutes."""
-
-
-@dataclasses.dataclass
-class Measured:
-    idle: IdleSamples
-    busy: BusySamples
-    rounds: list[Round]
-    drains: list[Drain]
-    """With the default probe (board, change notification)."""
-    snapshot_drains: list[Drain]
-    """With ``board=False``: a utility call per read, polled with the drain's backoff."""
-    startup_s: float
-    load_before: tuple[float, float, float]
-    load_after: tuple[float, float, float]
-    other_load: dict[str, float]
-    """Per phase: the share of all CPUs other processes used (see
-    :func:`bench.vllm.engine.other_load`)."""
-    worker_cpus: str = UNPINNED
-    unpinned: Unpinned | None = None
-    publish_cost: dict[str, float] = dataclasses.field(default_factory=dict)
-    """From :mod:`bench.vllm.publish`: the board's per-step cost inside EngineCore."""
 
 
 async def _phases(llm: Any, release_dir: Path, startup: float,
@@ -123,15 +103,6 @@ async def _measure(model: Path, release_dir: Path) -> Measured:
         # vLLM keeps a frame of the engine's start-up alive, and through it this frame:
         # drop the reference, or AsyncLLM.__del__ runs during interpreter teardown.
         del llm
-
-
-@dataclasses.dataclass
-class Unpinned:
-    """The throughput comparison again, with vLLM's default worker binding."""
-
-    rounds: list[Round]
-    other_load: float
-    startup_s: float
 
 
 async def _unpinned(model: Path, release_dir: Path) -> Unpinned:

@@ -110,9 +110,11 @@ async def _drain_under_load(engine: str, args: list[str], model: str,
             url, TOKENS, started=event, model=model, ignore_eos=True, include_usage=True,
             timeout_s=300)) for event in started]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 120)
-        status = worker.status()
         signal_group(worker.process.pid, signal.SIGTERM)
         results = await asyncio.gather(*tasks)
+        # every stream ended: an untested engine is idle now, and the drain (waiting for
+        # the budget) must still read it UNKNOWN, never quiescent
+        status = None if probe_tested else worker.status()
         code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
         report = exit_report(worker)
         assert report is not None, tail(worker.lines)
@@ -122,8 +124,10 @@ async def _drain_under_load(engine: str, args: list[str], model: str,
             requests = report["requests"]
             assert isinstance(requests, dict) and requests["completed"] == STREAMS, report
         else:  # fail closed: an untested engine release is never read idle
+            assert status is not None and status["state"] == "draining", status
+            assert status["inflight_requests"] == 0, status
             pending = status["pending_work"]
-            assert isinstance(pending, dict) and pending["verdict"] != "quiescent", status
+            assert isinstance(pending, dict) and pending["verdict"] == "unknown", status
             assert code != 0 and report["outcome"] != "drained", report
 
 

@@ -76,10 +76,10 @@ MEMORY_SHARE = "0.25"
 
 
 def _serve_engine_wired() -> str | None:
-    from quiesce.serve_options import ENGINES
+    from quiesce.serve.options import ENGINES
 
     return None if "trtllm" in ENGINES else (
-        "quiesce serve has no --engine trtllm yet (core/serve_options.py ENGINES)")
+        "quiesce serve has no --engine trtllm yet (core/serve/options.py ENGINES)")
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,11 @@ import pytest
 from fastapi import FastAPI
 
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
+from quiesce.admin.server import MAX_BODY_BYTES, EmbeddedServer, bind_socket, create_admin_app
 from quiesce.admission import Admission, AdmissionGate, Outcome
 from quiesce.discovery import InMemoryDiscovery
 from quiesce.drain import DrainConfig
 from quiesce.lifecycle import DrainRun, Lifecycle, State
-from quiesce.server import MAX_BODY_BYTES, EmbeddedServer, bind_socket, create_admin_app
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

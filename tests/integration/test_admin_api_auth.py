@@ -1,4 +1,5 @@
-"""The admin HTTP API (:mod:`quiesce.server`): bearer auth and the bind and token configuration.
+"""The admin HTTP API (:mod:`quiesce.admin.server`): bearer auth and the bind and token
+configuration.
 
 Admin routes refuse missing, wrong and non-bearer credentials and accept the right token;
 health and metrics are open; without a token the admin routes are open; ``check_bind``
@@ -16,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from quiesce.admin.server import TOKEN_ENV, check_bind, load_token
 from quiesce.errors import ConfigError
 from quiesce.lifecycle import State
-from quiesce.server import TOKEN_ENV, check_bind, load_token
 from tests.integration.admin_api_harness import (
     AUTH,
     TOKEN,

@@ -1,4 +1,4 @@
-"""The admin HTTP API (:mod:`quiesce.server`): bad input.
+"""The admin HTTP API (:mod:`quiesce.admin.server`): bad input.
 
 Malformed JSON, wrong types, out-of-range budgets, unknown fields, non-JSON bodies, wrong
 methods and unknown paths are a typed 4xx and change nothing (never a 5xx); bodies at
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from quiesce.server import MAX_BODY_BYTES
+from quiesce.admin.server import MAX_BODY_BYTES
 from tests.integration.admin_api_harness import (
     AUTH,
     Worker,

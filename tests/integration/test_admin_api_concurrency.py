@@ -1,4 +1,4 @@
-"""The admin HTTP API (:mod:`quiesce.server`): concurrent callers and callers that leave.
+"""The admin HTTP API (:mod:`quiesce.admin.server`): concurrent callers and callers that leave.
 
 Concurrent drain, resume and status calls stay consistent (never drained while
 accepting; the last of drain and resume wins); a client that leaves in the middle of

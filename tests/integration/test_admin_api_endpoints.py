@@ -1,4 +1,4 @@
-"""The admin HTTP API (:mod:`quiesce.server`): status, drain, wait, resume and metrics.
+"""The admin HTTP API (:mod:`quiesce.admin.server`): status, drain, wait, resume and metrics.
 
 Status while serving and busy; drain answers 202 (200 with ``wait`` once drained) and
 readiness fails while draining; resume returns to serving and cancels a drain in

@@ -1,4 +1,4 @@
-"""The admin HTTP API (:mod:`quiesce.server`): schemathesis over the generated OpenAPI schema.
+"""The admin HTTP API (:mod:`quiesce.admin.server`): schemathesis over the generated OpenAPI schema.
 
 The fuzzed document is the one served at ``/openapi.json``; every generated request to
 every route, from serving or from drained, gets no undocumented 5xx, a typed error for

@@ -1,6 +1,6 @@
-"""The admin HTTP API (:mod:`quiesce.server`): the same API over TCP.
+"""The admin HTTP API (:mod:`quiesce.admin.server`): the same API over TCP.
 
-A real :class:`~quiesce.server.EmbeddedServer` (uvicorn on 127.0.0.1): auth, bad input,
+A real :class:`~quiesce.admin.server.EmbeddedServer` (uvicorn on 127.0.0.1): auth, bad input,
 an oversized body (also chunked), drain, resume, readiness and metrics.
 
 The worker under test and helpers: :mod:`tests.integration.admin_api_harness`.

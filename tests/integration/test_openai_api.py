@@ -19,8 +19,8 @@ from quiesce.adapters.sim import SIM_DEFAULT_MAX_TOKENS, SimConfig, SimServing
 from quiesce.admission import AdmissionGate, OutcomeCounts
 from quiesce.errors import RequestAborted, RequestRejected
 from quiesce.generation import Delta, Prompt, Sampling
-from quiesce.openai_api import create_completions_app
-from quiesce.openai_protocol import CompletionRequest, sampling_from
+from quiesce.serve.openai_api import create_completions_app
+from quiesce.serve.openai_protocol import CompletionRequest, sampling_from
 
 PROMPT = "hello world"  # two sim prompt tokens
 

@@ -22,15 +22,15 @@ import httpx
 import pytest
 
 from quiesce import AdmissionGate, InMemoryDiscovery, PendingWork, Role
-from quiesce.errors import ConfigError
-from quiesce.eta import DrainEta
-from quiesce.lifecycle import Lifecycle
-from quiesce.pod_deletion_cost import (
+from quiesce.admin.pod_deletion_cost import (
     ANNOTATION,
     DeletionCostPublisher,
     PodIdentity,
     PublishPolicy,
 )
+from quiesce.errors import ConfigError
+from quiesce.eta import DrainEta
+from quiesce.lifecycle import Lifecycle
 
 
 class StandInApiServer:

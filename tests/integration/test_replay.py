@@ -7,7 +7,7 @@ registered there with leases; two scale-downs during phase 1 (the kubelet's preS
 and SIGTERM to the main process, then SIGTERM to the whole process group). Simulated:
 the engine behind each worker (``--engine sim``: tokens on a timer). Every request is
 judged from aiperf's raw export by reading its stream to the end
-(:mod:`bench.replay.aiperf`), never by aiperf's own count. ``make bench`` runs the long
+(:mod:`bench.replay.judge`), never by aiperf's own count. ``make bench`` runs the long
 version (``bench/results/replay.json``).
 
 Every fifth request of the trace asks for 1,000 tokens (10 s at 0.01 s a token), so each
@@ -25,6 +25,7 @@ import pytest
 
 from bench.replay import aiperf
 from bench.replay.run import PolicyRun, ReplayConfig, replay
+from bench.replay.trace import Phase
 from tests.integration.real_parts import require_etcd, skip_unless_present
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ class EveryFifthLong:
 
 
 def config() -> ReplayConfig:
-    return ReplayConfig(phases=(aiperf.Phase(8.0, 12.0), aiperf.Phase(0.2, 6.0)), workers=4,
+    return ReplayConfig(phases=(Phase(8.0, 12.0), Phase(0.2, 6.0)), workers=4,
                         scale_downs=((4.0, "kubelet"), (8.0, "group")), decode_step_s=0.01,
                         seed=7, trace_options={"output_lengths": EveryFifthLong()})
 

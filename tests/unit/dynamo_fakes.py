@@ -237,3 +237,25 @@ async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
 def served_endpoint(runtime: FakeRuntime) -> FakeEndpoint:
     (endpoint,) = [e for e in runtime.endpoints.values() if e.path.endswith(".generate")]
     return endpoint
+
+
+async def run_until_ready(component: Any, argv: tuple[str, ...] = ("--model-path", "/models/m")
+                          ) -> asyncio.Task[None]:
+    """Install ``component`` (a :class:`~quiesce.adapters.dynamo.component.DynamoComponent`
+    over the fake Dynamo) and run its worker until the model is registered; its
+    ``on_ready`` opens the gate. Raises what the worker raised if it ended first."""
+    ready = asyncio.Event()
+
+    async def on_ready() -> None:
+        component.gate.open()
+        ready.set()
+
+    component.on_ready = on_ready
+    component.install()
+    task: asyncio.Task[None] = asyncio.create_task(component.run(list(argv)))
+    done, _ = await asyncio.wait({task, asyncio.create_task(ready.wait())}, timeout=5,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        task.result()  # raises what the worker raised
+    assert ready.is_set(), "the model was never registered"
+    return task

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from quiesce import ConfigError
-from quiesce.cli import main as cli_main
-from quiesce.demo import DemoConfig, format_table, make_workload, run_demo
+from quiesce.ops.cli import main as cli_main
+from quiesce.ops.demo import DemoConfig, format_table, make_workload, run_demo
 
 
 def test_workload_is_deterministic_and_two_phase() -> None:

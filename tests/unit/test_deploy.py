@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from quiesce.cli import DEFAULT_URL, build_parser
+from quiesce.ops.cli import build_parser
+from quiesce.ops.operator_commands import DEFAULT_URL
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 MANIFEST = DEPLOY / "worker.yaml"
@@ -36,7 +37,7 @@ def deployment(manifest: Path = MANIFEST) -> dict[str, Any]:
 
 def parse(command: list[str]) -> argparse.Namespace:
     """The worker's or the hook's command line as ``quiesce`` parses it (for ``quiesce
-    dynamo``, the arguments after ``--`` go to Dynamo, as in ``quiesce.cli.main``)."""
+    dynamo``, the arguments after ``--`` go to Dynamo, as in ``quiesce.ops.cli.main``)."""
     words = command[1:]
     passthrough: list[str] = []
     if words[:1] == ["dynamo"] and "--" in words:

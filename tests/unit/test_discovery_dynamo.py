@@ -260,6 +260,7 @@ class StandInContext:
     ([{"token_ids": [1]}, {"token_ids": [], "finish_reason": "cancelled"}], False, "lost"),
     ([{"token_ids": [], "finish_reason": "error: engine dead"}], False, "lost"),
     ([{"token_ids": [1]}, {"token_ids": [2]}], False, "lost"),  # no finish: fail closed
+    ([{"token_ids": [1]}], True, "client_gone"),  # no finish, the client stopped it
 ])
 async def test_a_dynamo_stream_counts_the_outcome_its_chunks_state(
         chunks: list[dict[str, Any]], stopped: bool, outcome: str) -> None:

@@ -17,8 +17,8 @@ from quiesce.adapters.etcd import (  # noqa: E402
     DiscoveryUnavailable,
     EtcdConfig,
     EtcdDiscovery,
-    _retryable,
 )
+from quiesce.adapters.etcd.client import retryable  # noqa: E402
 
 
 async def test_retries_double_and_stop_at_the_deadline() -> None:
@@ -30,7 +30,7 @@ async def test_retries_double_and_stop_at_the_deadline() -> None:
 
     with pytest.raises(DiscoveryUnavailable) as info:
         await asyncio.wait_for(retry_within("etcd", "probe", refused, Deadline.after(0.3), 0.1,
-                                            retryable=_retryable), 5.0)
+                                            retryable=retryable), 5.0)
     assert info.value.attempts == len(calls) >= 3
     assert "connection refused" in str(info.value)
 
@@ -46,7 +46,7 @@ async def test_a_hanging_attempt_is_cut_by_the_rpc_timeout_and_retried() -> None
         return "ok"
 
     assert await retry_within("etcd", "probe", hangs_once, Deadline.after(5.0), 0.05,
-                              retryable=_retryable) == "ok"
+                              retryable=retryable) == "ok"
     assert calls == 2
 
 
@@ -59,7 +59,7 @@ async def test_errors_that_retrying_cannot_fix_fail_at_once() -> None:
         raise aetcd.InvalidArgumentError("bad key")
 
     with pytest.raises(DiscoveryUnavailable) as info:
-        await retry_within("etcd", "probe", bad, Deadline.after(5.0), 1.0, retryable=_retryable)
+        await retry_within("etcd", "probe", bad, Deadline.after(5.0), 1.0, retryable=retryable)
     assert calls == 1 and info.value.attempts == 1
     assert isinstance(info.value.__cause__, aetcd.InvalidArgumentError)
 

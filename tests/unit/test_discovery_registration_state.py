@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from quiesce import AdmissionGate
 from quiesce.adapters.sim import SimEngine, SimProbe
+from quiesce.admin.metrics import WorkerMetrics
 from quiesce.discovery import (
     Discovery,
     InMemoryDiscovery,
@@ -15,8 +16,7 @@ from quiesce.discovery import (
     registration_state,
 )
 from quiesce.lifecycle import Lifecycle
-from quiesce.metrics import WorkerMetrics
-from quiesce.status_format import format_status
+from quiesce.ops.status_format import format_status
 
 
 class FlakyBackend:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from quiesce.adapters.dynamo.backend import DynamoBackendConfig, endpoint_path
+from quiesce.adapters.dynamo.gated import finish_outcome, gated
 from quiesce.adapters.dynamo.model_card import ModelCardDiscovery
 from quiesce.adapters.dynamo.token_handler import (
     has_chat_template,
@@ -27,9 +28,14 @@ from quiesce.adapters.dynamo.token_handler import (
     token_handler,
 )
 from quiesce.adapters.sim import SimConfig, SimServing
+from quiesce.admission import AdmissionGate
 from quiesce.budget import Deadline
 from quiesce.discovery import DiscoveryUnavailable
+from quiesce.drain import DrainConfig
 from quiesce.errors import ConfigError, RequestRejected
+from quiesce.lifecycle import Lifecycle
+from quiesce.shutdown import EXIT_CLEAN, Shutdown, ShutdownPolicy
+from tests.unit.lifecycle_harness import ScriptedDiscovery
 
 
 class EngineShutdown(Exception):
@@ -197,8 +203,10 @@ async def test_a_client_stop_aborts_the_request_and_ends_cancelled() -> None:
         chunks.append(chunk)
         if len(chunks) == 2:
             context.stop()
+    # the engine aborted it (a stream it finished would end "length"), and let it go
     assert chunks[-1] == {"index": 0, "token_ids": [], "finish_reason": "cancelled"}
-    assert len(chunks) < 10 and not serving.engine.holds("r2")
+    assert all("finish_reason" not in c for c in chunks[:-1])
+    assert not serving.engine.holds("r2")
     await serving.engine.shutdown()
 
 
@@ -214,7 +222,9 @@ async def test_the_shutdown_event_aborts_and_raises_dynamos_engine_shutdown() ->
             seen += 1
             if seen == 2:
                 shutdown.set()
-    assert seen < 10 and not serving.engine.holds("r3")
+    # EngineShutdown is raised only for a request the engine aborted (it would else end
+    # "length"); the engine let it go
+    assert seen >= 2 and not serving.engine.holds("r3")
     await serving.engine.shutdown()
 
 
@@ -226,6 +236,34 @@ async def test_a_refused_request_is_dynamos_invalid_argument() -> None:
         async for _ in generate({"token_ids": "nope"}, FakeContext("r4")):
             pass
     await serving.engine.shutdown()
+
+
+@pytest.mark.usefixtures("dynamo_errors")
+async def test_a_malformed_request_during_a_drain_is_rejected_and_the_drain_ends_drained(
+        ) -> None:
+    """The handler gated as ``quiesce serve --dynamo`` serves it; a request that is not a
+    ``PreprocessedRequest`` arrives while the drain unregisters (the gate still open): it
+    is the client's bad request (Dynamo's ``InvalidArgument``, HTTP 400), counted
+    rejected, so the shutdown still ends drained, exit 0 (before: lost, exit 5)."""
+    serving = await _serving()
+    gate = AdmissionGate()
+    discovery = ScriptedDiscovery()
+    discovery.unregister_gate = asyncio.Event()
+    lifecycle = Lifecycle(gate=gate, probe=serving.probe, discovery=discovery,
+                          config=DrainConfig(router_grace_s=0.0, poll_base_s=0.001,
+                                             poll_cap_s=0.004, probe_timeout_s=0.5))
+    await lifecycle.start()
+    shutdown = Shutdown(lifecycle, serving.control, ShutdownPolicy(10.0, 2.0))
+    handler = gated(_handler(serving, asyncio.Event()), gate, outcome=finish_outcome)
+    running = asyncio.create_task(shutdown.run())
+    await asyncio.wait_for(discovery.unregister_entered.wait(), 5)
+    with pytest.raises(InvalidArgument):
+        async for _ in handler({"token_ids": "nope"}, FakeContext("bad")):
+            pass
+    discovery.unregister_gate.set()
+    report = await asyncio.wait_for(running, 10)
+    assert report.requests.rejected == 1 and report.requests.lost == 0, report.to_dict()
+    assert report.outcome == "drained" and report.exit_code == EXIT_CLEAN, report.to_dict()
 
 
 def test_the_handler_needs_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:

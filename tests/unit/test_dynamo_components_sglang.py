@@ -15,12 +15,12 @@ import asyncio
 import importlib.util
 import signal
 import sys
+from collections.abc import AsyncIterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
-from quiesce import cli
 from quiesce.adapters.dynamo import DynamoDiscovery
 from quiesce.adapters.dynamo.components import (
     COMPONENTS,
@@ -31,8 +31,9 @@ from quiesce.adapters.dynamo.model_card import ModelCardDiscovery
 from quiesce.adapters.sglang import SglangProbe
 from quiesce.admission import AdmissionGate
 from quiesce.errors import ConfigError
+from quiesce.ops import cli
 from quiesce.probe import Role, Verdict
-from quiesce.serve_options import DYNAMO_COMPONENTS
+from quiesce.serve.options import DYNAMO_COMPONENTS
 from tests.unit.dynamo_fakes import (
     FakeContext,
     FakeDynamo,
@@ -40,6 +41,7 @@ from tests.unit.dynamo_fakes import (
     WorkerType,
     WorkerUnavailable,
     chunks_handler,
+    run_until_ready,
     served_endpoint,
     until,
 )
@@ -69,6 +71,39 @@ class FakeSglangEngine(FakeEngine):
         raise AssertionError("SGLang's own SIGTERM handler ran")
 
 
+def prefill_handler() -> type:
+    """dynamo.sglang 1.6.1's ``PrefillWorkerHandler`` as the outcome sees it (a fake, read
+    from ``request_handlers/llm/prefill_handler.py``): the bootstrap chunk is yielded
+    before the prefill runs; then ``_consume_results`` (a task the stream awaits)
+    consumes the engine's outputs (``request["results"]``) and returns the final
+    ``meta_info``, None when the client cancelled; a ``kv_cache_hit`` chunk follows when
+    that ``meta_info`` has ``prompt_tokens``, else the stream just ends."""
+
+    class PrefillWorkerHandler(chunks_handler()):  # type: ignore[misc]
+        async def generate(self, request: dict[str, Any], context: Any
+                           ) -> AsyncIterator[Any]:
+            type(self).started.append(context.id())
+            yield {"token_ids": [], "text": None, "finish_reason": None,
+                   "disaggregated_params": {"bootstrap_room": 7}}
+            final = await asyncio.create_task(
+                self._consume_results(request.get("results", []), None, context))
+            if final is not None and final.get("prompt_tokens") is not None:
+                yield {"token_ids": [], "engine_data": {"kv_cache_hit": {
+                    "prompt_tokens": final["prompt_tokens"], "reused_tokens": 0}}}
+
+        async def _consume_results(self, results: list[dict[str, Any]],
+                                   submitted_request_id: str | None, context: Any
+                                   ) -> dict[str, Any] | None:
+            final = None
+            for result in results:
+                meta = result.get("meta_info") or {}
+                if meta.get("finish_reason"):
+                    final = meta
+            return None if context.is_stopped() else final
+
+    return PrefillWorkerHandler
+
+
 def fake_sglang(dynamo: FakeDynamo, engine: Any, *, worker_type: Any = WorkerType.Aggregated,
                 gateway: bool = False, engine_registered: bool = True,
                 **flags: bool) -> dict[str, ModuleType]:
@@ -79,7 +114,7 @@ def fake_sglang(dynamo: FakeDynamo, engine: Any, *, worker_type: Any = WorkerTyp
     TokenizerManager registers its SIGTERM handler on the loop. ``engine_registered``
     False: the registration gets ``engine=None`` (as Dynamo's encode worker passes)."""
     llm = sys.modules["dynamo.llm"]
-    decode, prefill = chunks_handler(), chunks_handler()
+    decode, prefill = chunks_handler(), prefill_handler()
     handlers = dynamo.module("dynamo.sglang.request_handlers", DecodeWorkerHandler=decode,
                              PrefillWorkerHandler=prefill)
     register = dynamo.module("dynamo.sglang.register", register_model=llm.register_model)
@@ -173,20 +208,7 @@ async def start(component: SglangComponent | None = None) -> Running:
     """``component`` (default: a new one with a closed gate) installed and run until
     the model is registered; ``on_ready`` opens its gate."""
     component = component or SglangComponent(AdmissionGate(accepting=False))
-    ready = asyncio.Event()
-
-    async def on_ready() -> None:
-        component.gate.open()
-        ready.set()
-
-    component.on_ready = on_ready
-    component.install()
-    task = asyncio.create_task(component.run(["--model-path", "/models/m"]))
-    done, _ = await asyncio.wait({task, asyncio.create_task(ready.wait())}, timeout=5,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()  # raises what the worker raised
-    assert ready.is_set(), "the model was never registered"
+    task = await run_until_ready(component)
     return Running(component, task)
 
 
@@ -317,21 +339,44 @@ async def test_a_served_worker_is_gated_probed_and_stopped_by_dynamos_teardown(
     assert engine.shut_down  # handler.cleanup() in Dynamo's own finally
 
 
-async def test_a_prefill_worker_gets_the_prefill_probe_and_counts_a_handoff_completed(
+async def test_a_prefill_worker_gets_the_prefill_probe_and_counts_what_the_engine_did(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fake dynamo.sglang prefill worker (role from ``worker_type``), fake engine.
+    """Fake dynamo.sglang prefill worker (role from ``worker_type``), fake engine. The
+    bootstrap chunk comes before the prefill runs: the outcome is the engine's final
+    ``meta_info`` (through the hooked ``_consume_results``), never that chunk; an aborted
+    prefill ends its stream with no further chunk and is lost (before: completed).
     Real: tests/gpu/test_dynamo_components.py::test_dynamo_sglang_drains_under_load."""
     dynamo = FakeDynamo(monkeypatch)
     modules = fake_sglang(dynamo, FakeSglangEngine(), worker_type=WorkerType.Prefill)
     running = await start()
     assert running.component.role is Role.PREFILL
     assert running.component.probe.role is Role.PREFILL
-    bootstrap: dict[str, Any] = {"token_ids": [], "text": None, "finish_reason": None,
-                 "disaggregated_params": {"bootstrap_room": 7}}
-    await served_endpoint(dynamo.runtime).call({"chunks": [bootstrap]}, FakeContext("p1"))
-    assert modules["handlers"].PrefillWorkerHandler.started == ["p1"]
-    assert running.component.gate.outcomes().completed == 1
+    endpoint = served_endpoint(dynamo.runtime)
+    done = {"meta_info": {"finish_reason": {"type": "length"}, "prompt_tokens": 3}}
+    aborted = {"meta_info": {"finish_reason": {"type": "abort", "message": "aborted"}}}
+    for results, context in [([{"meta_info": {}}, done], FakeContext("p1")),
+                             ([aborted], FakeContext("p2")),
+                             ([aborted], FakeContext("p3", stopped=True)),
+                             ([], FakeContext("p4"))]:  # never finished
+        await endpoint.call({"results": results}, context)
+    assert modules["handlers"].PrefillWorkerHandler.started == ["p1", "p2", "p3", "p4"]
+    assert running.component.gate.outcomes().to_dict() == {
+        "completed": 1, "lost": 2, "client_gone": 1, "rejected": 0}
     await running.stop()
+
+
+def test_a_missing_engine_end_method_is_a_config_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake dynamo.sglang whose prefill handler lost ``_consume_results``: refused,
+    named, nothing replaced (its outcome could not be read).
+    Real: tests/integration/dynamo/test_contract_sglang.py (the real method)."""
+    dynamo = FakeDynamo(monkeypatch)
+    modules = fake_sglang(dynamo, FakeSglangEngine())
+    del modules["handlers"].PrefillWorkerHandler._consume_results
+    with pytest.raises(ConfigError) as info:
+        SglangComponent(AdmissionGate()).install()
+    assert "PrefillWorkerHandler._consume_results" in str(info.value)
+    assert not hasattr(modules["handlers"].PrefillWorkerHandler.generate, "__wrapped__")
 
 
 @pytest.mark.parametrize("engine_registered,worker_type,reason", [

@@ -35,6 +35,7 @@ from tests.unit.dynamo_fakes import (
     WorkerType,
     WorkerUnavailable,
     push_egress_capable,
+    run_until_ready,
     served_endpoint,
     until,
 )
@@ -185,20 +186,7 @@ async def start(component: TrtllmComponent | None = None) -> tuple[TrtllmCompone
     """``component`` (default: a new one with a closed gate) installed and run until the
     model is registered; ``on_ready`` opens its gate."""
     component = component or TrtllmComponent(AdmissionGate(accepting=False))
-    ready = asyncio.Event()
-
-    async def on_ready() -> None:
-        component.gate.open()
-        ready.set()
-
-    component.on_ready = on_ready
-    component.install()
-    task = asyncio.create_task(component.run(["--model-path", "/models/m"]))
-    done, _ = await asyncio.wait({task, asyncio.create_task(ready.wait())}, timeout=5,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        task.result()
-    assert ready.is_set(), "the model was never registered"
+    task = await run_until_ready(component)
     await until(lambda: bool(component.endpoints and component.endpoints[0].handler))
     return component, task
 
@@ -303,6 +291,9 @@ async def test_a_served_worker_reads_the_py_executor_and_admits_pushed_requests(
         {"chunks": [{"finish_reason": "length"}]}, FakeContext("canary"))]
     assert pulled == [{"finish_reason": "length"}]
     assert component.gate.outcomes().completed == 2
+    # the client stopped it: Dynamo's handler ends it without a finish reason
+    await endpoint.call({"chunks": [{"token_ids": [1]}]}, FakeContext("r4", stopped=True))
+    assert (component.gate.outcomes().client_gone, component.gate.outcomes().lost) == (1, 2)
 
     component.gate.close("draining")
     with pytest.raises(WorkerUnavailable, match="draining"):

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from quiesce import cli
 from quiesce.errors import ConfigError
-from quiesce.serve_options import dynamo_policy
+from quiesce.ops import cli
+from quiesce.serve.options import dynamo_policy
 
 
 def _parsed(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> argparse.Namespace:

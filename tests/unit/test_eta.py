@@ -10,7 +10,7 @@ from quiesce import PendingWork, Role, Verdict
 from quiesce.adapters.sim import RequestAborted, SimConfig, SimEngine, SimProbe, SimRequest
 from quiesce.errors import ConfigError
 from quiesce.eta import DrainEta
-from quiesce.status_format import format_status, progress_line
+from quiesce.ops.status_format import format_status, progress_line
 
 
 def work(eta: DrainEta | None, running: int = 1, source: str = "test") -> PendingWork:

@@ -1,4 +1,4 @@
-"""Unit tests of :class:`quiesce.metrics.WorkerMetrics`: the exposition a scrape sees.
+"""Unit tests of :class:`quiesce.admin.metrics.WorkerMetrics`: the exposition a scrape sees.
 
 Each test builds a real :class:`Lifecycle` with an :class:`AdmissionGate` and an
 :class:`InMemoryDiscovery`. The engine is the simulated one (:class:`SimEngine` and its
@@ -32,11 +32,11 @@ from quiesce import (
     WorkerDraining,
 )
 from quiesce.adapters.sim import SimConfig, SimEngine, SimProbe, SimRequest
+from quiesce.admin.metrics import DRAIN_BUCKETS_S, WorkerMetrics
 from quiesce.admission import Outcome
 from quiesce.drain_cost import INT32_MAX, REQUEST_COST_MS
 from quiesce.eta import DrainEta
 from quiesce.lifecycle import DrainRun, EventKind, Lifecycle, LifecycleEvent, State
-from quiesce.metrics import DRAIN_BUCKETS_S, WorkerMetrics
 
 WAIT_S = 5.0
 """Upper bound of every wait in this file; a healthy run needs milliseconds."""

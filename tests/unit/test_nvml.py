@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 import pytest
 
 from quiesce import UNKNOWN, ConfigError, PendingWork, Probe, Role, Verdict
-from quiesce.adapters import nvml as nvml_adapter
 from quiesce.adapters.nvml import (
     GPU_ACTIVE_QUEUE,
     SOURCE,
@@ -28,6 +27,8 @@ from quiesce.adapters.nvml import (
     parse_devices,
     require_gpu_quiet,
 )
+from quiesce.adapters.nvml import calls as nvml_calls
+from quiesce.adapters.nvml import probe as nvml_probe
 from quiesce.budget import Deadline
 from quiesce.drain import DrainConfig, StageOutcome, wait_quiescent
 from quiesce.errors import EngineNotInstalled
@@ -278,7 +279,7 @@ async def test_missing_pynvml_is_unknown_naming_the_extra(
     def absent() -> Any:
         raise ImportError("No module named 'pynvml'")
 
-    monkeypatch.setattr(nvml_adapter, "_load_pynvml", absent)
+    monkeypatch.setattr(nvml_calls, "_load_pynvml", absent)
     probe = GpuQuietProbe(StaticProbe(), (0,), window_s=WINDOW)
     work = await probe.pending_work()
     await probe.aclose()
@@ -487,7 +488,7 @@ def test_the_factory_refuses_a_read_longer_than_the_drains_probe_timeout() -> No
 
 def test_the_factory_names_the_extra_when_pynvml_is_missing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(nvml_adapter, "_pynvml_installed", lambda: False)
+    monkeypatch.setattr(nvml_probe, "_pynvml_installed", lambda: False)
     with pytest.raises(EngineNotInstalled, match=r"pip install 'quiesce\[nvml\]'"):
         require_gpu_quiet(StaticProbe(), "0")
 

@@ -28,7 +28,7 @@ def custom() -> Iterator[str]:
 def test_sim_adapter_comes_from_the_entry_point() -> None:
     assert "sim" in available_adapters()
     factory = get_factory("sim")
-    assert factory.__module__ == "quiesce.adapters.sim"
+    assert factory.__module__ == "quiesce.adapters.sim.probe"
 
 
 async def test_probe_for_builds_the_sim_probe_in_the_requested_role() -> None:

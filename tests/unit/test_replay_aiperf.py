@@ -1,5 +1,5 @@
-"""bench.replay.aiperf: the mooncake trace, the aiperf command, and the judgement of every
-request from aiperf's raw export.
+"""bench.replay's trace, aiperf and judge modules: the mooncake trace, the aiperf command,
+and the judgement of every request from aiperf's raw export.
 
 The records in ``data/aiperf_raw_records.jsonl`` are real ``profile_export_raw.jsonl``
 records of aiperf 0.13.0 against ``quiesce serve --engine sim`` (prompts cut to 60
@@ -27,15 +27,13 @@ from typing import Any
 import pytest
 
 from bench.replay import aiperf
-from bench.replay.aiperf import (
-    AiperfNotInstalled,
+from bench.replay.aiperf import AiperfNotInstalled, read_aiperf_summary
+from bench.replay.judge import NO_MAX_TOKENS, judge_record, read_outcomes, summarize
+from bench.replay.trace import (
+    DEFAULT_OUTPUT_LENGTHS,
     LogNormalLengths,
     Phase,
     UniformLengths,
-    judge_record,
-    read_aiperf_summary,
-    read_outcomes,
-    summarize,
     write_trace,
 )
 from bench.watch import proc_state
@@ -115,7 +113,7 @@ def test_phase_rates_are_roughly_right(tmp_path: Path) -> None:
 
 def test_default_output_lengths_have_a_long_tail() -> None:
     rng = random.Random(0)
-    lengths = [aiperf.DEFAULT_OUTPUT_LENGTHS.sample(rng) for _ in range(4000)]
+    lengths = [DEFAULT_OUTPUT_LENGTHS.sample(rng) for _ in range(4000)]
     long_share = sum(n > 250 for n in lengths) / len(lengths)
     assert 0.03 <= long_share <= 0.15
     assert sorted(lengths)[len(lengths) // 2] in range(50, 71)
@@ -258,8 +256,8 @@ def test_missing_done_is_lost() -> None:
 def test_a_request_without_max_tokens_cannot_be_judged_complete() -> None:
     record = copy.deepcopy(records()["clean"])
     del record["payload"]["max_tokens"]
-    outcome = aiperf.judge_record(record)
-    assert outcome.lost and outcome.reason == aiperf.NO_MAX_TOKENS, outcome
+    outcome = judge_record(record)
+    assert outcome.lost and outcome.reason == NO_MAX_TOKENS, outcome
 
 
 def test_malformed_event_is_lost() -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from quiesce.cli import main
 from quiesce.errors import ConfigError
-from quiesce.serve_options import (
+from quiesce.ops.cli import main
+from quiesce.serve.options import (
     DYNAMO_QUIET_S,
     WorkerOptions,
     add_serve_arguments,

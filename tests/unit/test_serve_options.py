@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from quiesce.cli import main
 from quiesce.errors import ConfigError
-from quiesce.serve_options import WorkerOptions, add_serve_arguments, options_from_args
-from quiesce.worker import build_serving
+from quiesce.ops.cli import main
+from quiesce.serve.options import WorkerOptions, add_serve_arguments, options_from_args
+from quiesce.serve.worker import build_serving
 
 
 def parse(*argv: str) -> WorkerOptions:

@@ -23,7 +23,7 @@ import pytest
 
 from quiesce.adapters.trtllm import doctor
 from quiesce.adapters.trtllm.layouts import CTX_IN_TRANSMISSION, TRANSFER_MANAGER
-from quiesce.cli import main
+from quiesce.ops.cli import main
 
 
 def cls(name: str, attrs: str = "", methods: tuple[str, ...] = (), body: str = "",

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from quiesce.adapters.trtllm import doctor
-from quiesce.cli import main
+from quiesce.ops.cli import main
 from tests.unit.test_trtllm_doctor import (
     ATM,
     PY_EXECUTOR,

@@ -41,8 +41,8 @@ from quiesce.adapters.trtllm.serving import (
 from quiesce.admission import AdmissionGate
 from quiesce.errors import ConfigError, EngineNotInstalled, RequestRejected
 from quiesce.generation import Sampling
-from quiesce.openai_api import create_completions_app
 from quiesce.probe import Role, Verdict, observe
+from quiesce.serve.openai_api import create_completions_app
 
 
 @dataclasses.dataclass

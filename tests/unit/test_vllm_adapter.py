@@ -15,7 +15,8 @@ import pytest
 from quiesce import EngineNotInstalled, Role, Verdict
 from quiesce.adapters.vllm import VllmProbe, probe_factory
 from quiesce.adapters.vllm import probe as vllm_probe
-from quiesce.adapters.vllm.plugin import quiesce_snapshot, register
+from quiesce.adapters.vllm.plugin import register
+from quiesce.adapters.vllm.utilities import quiesce_snapshot
 
 
 def snapshot(**overrides: Any) -> dict[str, Any]:

@@ -19,8 +19,8 @@ import pytest
 
 from quiesce import Role, Verdict
 from quiesce.adapters.vllm import VllmProbe
-from quiesce.adapters.vllm import plugin as vllm_plugin
 from quiesce.adapters.vllm import probe as vllm_probe
+from quiesce.adapters.vllm import utilities as vllm_utilities
 from quiesce.adapters.vllm.board import (
     CHECKSUM_AT,
     SEQ_AT,
@@ -31,6 +31,7 @@ from quiesce.adapters.vllm.board import (
     BoardWriter,
     ChangeFifo,
 )
+from quiesce.adapters.vllm.publisher import MAX_BOARDS
 
 IDLE = (0, 0, 0, 0, 0, 0, 0)
 
@@ -185,7 +186,7 @@ class FakeEngineCore:
             self.scheduler.add(request, "waiting")
             return None
         method, args = request
-        return getattr(vllm_plugin, method)(self, *args)
+        return getattr(vllm_utilities, method)(self, *args)
 
     def shutdown(self) -> None:
         self.stopped = True
@@ -351,21 +352,21 @@ async def test_closing_stops_the_engines_counting_and_a_read_subscribes_again() 
 def test_an_engine_keeps_a_bounded_number_of_boards(tmp_path: Path) -> None:
     core = FakeEngineCore()
     fifos = []
-    for i in range(vllm_plugin.MAX_BOARDS + 2):
+    for i in range(MAX_BOARDS + 2):
         directory = tmp_path / str(i)
         directory.mkdir()
         fifos.append(ChangeFifo(str(directory / "changes.fifo")))
-        answer = vllm_plugin.quiesce_subscribe(core, str(directory), "changes.fifo")
+        answer = vllm_utilities.quiesce_subscribe(core, str(directory), "changes.fifo")
         assert "board" in answer, answer
     first = BoardReader(str(tmp_path / "0" / answer["board"]))
     snapshot = first.read()
     assert snapshot is not None and BoardFlags.CLOSED in snapshot.flags
-    assert len(core._quiesce_publisher.boards) == vllm_plugin.MAX_BOARDS  # type: ignore[attr-defined]
+    assert len(core._quiesce_publisher.boards) == MAX_BOARDS  # type: ignore[attr-defined]
     for changes in fifos:
         changes.close()
 
 
 def test_a_directory_the_engine_cannot_see_is_an_answer_not_an_error(tmp_path: Path) -> None:
-    answer = vllm_plugin.quiesce_subscribe(FakeEngineCore(), str(tmp_path / "elsewhere"),
+    answer = vllm_utilities.quiesce_subscribe(FakeEngineCore(), str(tmp_path / "elsewhere"),
                                            "changes.fifo")
     assert "error" in answer and "board" not in answer

@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 
 from quiesce import Role, Verdict
 from quiesce.adapters.vllm import VllmProbe
-from quiesce.adapters.vllm import plugin as vllm_plugin
+from quiesce.adapters.vllm import eta as vllm_eta
 from quiesce.adapters.vllm import probe as vllm_probe
+from quiesce.adapters.vllm import publisher as vllm_publisher
 from quiesce.adapters.vllm.board import (
     NO_VALUE,
     RECORD_END,
@@ -33,7 +34,7 @@ from quiesce.adapters.vllm.board import (
     ChangeFifo,
     EtaFlags,
 )
-from quiesce.adapters.vllm.plugin import (
+from quiesce.adapters.vllm.eta import (
     EngineShape,
     StepClock,
     WorkScan,
@@ -44,6 +45,7 @@ from quiesce.adapters.vllm.plugin import (
     scan_requests,
 )
 from quiesce.adapters.vllm.probe import drain_eta
+from quiesce.adapters.vllm.utilities import quiesce_snapshot
 from tests.unit.test_vllm_board import FakeEngineCore, engine_over
 
 _ids = itertools.count()
@@ -176,11 +178,11 @@ def test_the_connector_lease_is_known_by_class_name(monkeypatch: pytest.MonkeyPa
     assert connector_lease(None) == (None, False)
     assert connector_lease(nixl) == (None, True)
     assert connector_lease(other) == (None, False)
-    monkeypatch.delenv(vllm_plugin.MOONCAKE_LEASE_ENV, raising=False)
+    monkeypatch.delenv(vllm_eta.MOONCAKE_LEASE_ENV, raising=False)
     assert connector_lease(mooncake) == (480.0, False)
-    monkeypatch.setenv(vllm_plugin.MOONCAKE_LEASE_ENV, "60")
+    monkeypatch.setenv(vllm_eta.MOONCAKE_LEASE_ENV, "60")
     assert connector_lease(mooncake) == (60.0, False)
-    monkeypatch.setenv(vllm_plugin.MOONCAKE_LEASE_ENV, "soon")
+    monkeypatch.setenv(vllm_eta.MOONCAKE_LEASE_ENV, "soon")
     assert connector_lease(mooncake) == (None, False)
 
 
@@ -190,9 +192,9 @@ def test_the_step_clock_chains_busy_steps_and_times_a_lone_step_alone() -> None:
     assert step.ema_s == pytest.approx(0.002)
     step.record(10.003, 10.005, ran_model=True, busy_after=False)  # 3 ms since the last end
     assert step.max_s == pytest.approx(0.003)
-    assert step.ema_s == pytest.approx(0.002 + vllm_plugin.STEP_EMA_ALPHA * 0.001)
+    assert step.ema_s == pytest.approx(0.002 + vllm_eta.STEP_EMA_ALPHA * 0.001)
     step.record(20.0, 20.002, ran_model=True, busy_after=True)  # idle before: alone
-    assert step.max_s == pytest.approx(max(0.002, 0.003 * vllm_plugin.STEP_MAX_DECAY))
+    assert step.max_s == pytest.approx(max(0.002, 0.003 * vllm_eta.STEP_MAX_DECAY))
     step.record(20.003, 20.004, ran_model=False, busy_after=True)  # no model run: no sample
     assert step.samples == 3
 
@@ -406,7 +408,7 @@ async def test_the_snapshot_utility_reports_the_eta_with_its_inputs() -> None:
     core.step_fn()
     work = await probe.pending_work()
     assert work.eta is not None and work.eta.expected_s is not None and work.eta.expected_s > 0
-    answer = vllm_plugin.quiesce_snapshot(core)
+    answer = quiesce_snapshot(core)
     assert answer["eta"]["decode_tokens"] == 19 and answer["eta"]["steps_timed"] == 1
 
 
@@ -445,14 +447,14 @@ async def test_an_added_request_is_folded_into_the_aged_scan_without_a_rescan(
     await probe.pending_work()
     core.step_fn()
     scans = 0
-    real_scan = vllm_plugin.scan_requests
+    real_scan = vllm_eta.scan_requests
 
     def counting(*args: Any) -> WorkScan:
         nonlocal scans
         scans += 1
         return real_scan(*args)
 
-    monkeypatch.setattr(vllm_plugin, "scan_requests", counting)
+    monkeypatch.setattr(vllm_publisher, "scan_requests", counting)
     core.step_fn()
     core.run(request(40))  # an ADD client request: folded in
     work = await probe.pending_work()
@@ -460,7 +462,7 @@ async def test_an_added_request_is_folded_into_the_aged_scan_without_a_rescan(
     one = core._quiesce_publisher  # type: ignore[attr-defined]
     assert work.eta is not None and work.eta.expected_s is not None
     assert work.eta.expected_s >= 39 * one.clock.ema_s - 1e-3
-    for _ in range(vllm_plugin.REFRESH_STEPS):
+    for _ in range(vllm_publisher.REFRESH_STEPS):
         core.step_fn()
     assert scans == 1  # a full pass once per REFRESH_STEPS working steps
 

@@ -9,20 +9,29 @@ and is killed with it if the caller leaves it running.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from quiesce.adapters.dynamo import LOOPBACK_ENV
-from tests.integration.worker_process import TOKEN, Worker, json_events, running
+from tests.integration.worker_process import (
+    TOKEN,
+    StreamResult,
+    Worker,
+    json_events,
+    running,
+    stream_completion,
+    tail,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -150,7 +159,7 @@ HELD_MARK = "quiesce-test: inside Dynamo's model registration"
 """What the held worker prints once it is inside ``register_vllm_model`` (see below)."""
 HELD_REGISTRATION = """\
 import asyncio, importlib.abc, os, sys
-from quiesce.cli import main
+from quiesce.ops.cli import main
 
 def hold(dynamo_main):
     register = dynamo_main.register_model
@@ -205,3 +214,28 @@ def held_registration_worker(store: Path, args: Sequence[str], *, hold_s: float 
                "--budget", str(budget_s), "--", *args]
     with running(command, env, HELD_MARK, name="quiesce dynamo vllm (held)") as worker:
         yield worker
+
+
+async def streams_then(url: str, model: str, act: Callable[[], object], *, streams: int,
+                       tokens: int, timeout_s: float = 120.0) -> list[StreamResult]:
+    """Start ``streams`` streaming completions of ``tokens`` tokens each through ``url``;
+    once every one has its first token, call ``act()`` (in a thread); return every stream
+    read to its end (``timeout_s`` bounds the first tokens and each network operation)."""
+    started = [asyncio.Event() for _ in range(streams)]
+    tasks = [asyncio.create_task(stream_completion(
+        url, tokens, started=event, model=model, ignore_eos=True, include_usage=True,
+        timeout_s=timeout_s)) for event in started]
+    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), timeout_s)
+    await asyncio.to_thread(act)
+    return list(await asyncio.gather(*tasks))
+
+
+def assert_drained(worker: Worker, code: int | None, completed: int) -> None:
+    """The worker exited 0 with an exit report that says drained, ``completed`` requests
+    completed and none lost."""
+    report = exit_report(worker)
+    assert code == 0 and report is not None, tail(worker.lines)
+    assert report["outcome"] == "drained" and report["drained"] is True, report
+    requests = report["requests"]
+    assert isinstance(requests, dict)
+    assert requests["completed"] == completed and requests["lost"] == 0, report

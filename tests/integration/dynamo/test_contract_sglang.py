@@ -143,13 +143,32 @@ def test_each_gated_handler_serves_an_async_generator_of_request_and_context(
     assert len(served) == 2  # init_decode and init_prefill
 
 
-def test_the_prefill_handoff_chunk_carries_the_kv_parameters_without_a_finish_reason() -> None:
-    """What :func:`~quiesce.adapters.dynamo.outcomes.handoff_outcome` reads as completed."""
-    generate = function(class_def(parse(
-        "dynamo.sglang.request_handlers.llm.prefill_handler"), "PrefillWorkerHandler"),
-        "generate")
+def test_the_prefill_outcome_is_what_consume_results_returns_not_the_bootstrap_chunk(
+        ) -> None:
+    """The prefill handler yields its bootstrap chunk (no finish reason) *before* the
+    prefill runs, then awaits ``self._consume_results(results, submitted_request_id,
+    context)``, which returns the final ``meta_info`` or None: what the component's
+    ``EngineEnd`` wraps (the context is its last argument) and
+    :func:`~quiesce.adapters.dynamo.outcomes.sglang_final_outcome` reads."""
+    handler = class_def(parse("dynamo.sglang.request_handlers.llm.prefill_handler"),
+                        "PrefillWorkerHandler")
+    generate = function(handler, "generate")
+    (bootstrap,) = [y for y in yields(generate) if isinstance(y, ast.Dict) and any(
+        isinstance(k, ast.Constant) and k.value == "disaggregated_params" for k in y.keys)]
     (handoff,) = [d for d in dict_displays(generate) if "disaggregated_params" in d]
     assert handoff["finish_reason"] == "None"
+    (call,) = attribute_calls(generate, "_consume_results")
+    assert ast.unparse(call.func) == "self._consume_results"
+    assert [ast.unparse(a) for a in call.args] == ["results", "submitted_request_id", "context"]
+    assert bootstrap.lineno < call.lineno  # handed over before the prefill ran
+    (component_end,) = [h.engine_end for h in SglangComponent(AdmissionGate()).handlers()
+                        if h.engine_end is not None]
+    consume = function(handler, component_end.method)
+    assert isinstance(consume, ast.AsyncFunctionDef)
+    assert parameters(consume)[0] == ["self", "results", "submitted_request_id", "context"]
+    returned = {ast.unparse(r.value) for r in ast.walk(consume)
+                if isinstance(r, ast.Return) and r.value is not None}
+    assert returned == {"None", "final_meta_info"}
 
 
 def test_dynamos_worker_types_name_the_roles_the_probe_takes() -> None:

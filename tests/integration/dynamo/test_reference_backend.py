@@ -13,15 +13,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from tests.integration.dynamo.processes import GRACE_ENV, dynamo_env, exit_report, wait_for_model
+from tests.integration.dynamo.processes import (
+    GRACE_ENV,
+    assert_drained,
+    dynamo_env,
+    exit_report,
+    free_port,
+    streams_then,
+    wait_for_model,
+)
 from tests.integration.dynamo.reference import reference_worker
-from tests.integration.worker_process import StreamResult, stream_completion, tail
+from tests.integration.worker_process import (
+    StreamResult,
+    Worker,
+    running,
+    tail,
+)
 
 STREAMS = 4
 TOKENS = 150
@@ -29,16 +43,9 @@ STEP_S = 0.02
 EXIT_TIMEOUT_S = 60.0
 
 
-async def _streams_then(url: str, model: str, act: Callable[[], object]) -> list[StreamResult]:
-    """Start ``STREAMS`` streams; once each has its first token, call ``act()``; return
-    every stream read to its end."""
-    started = [asyncio.Event() for _ in range(STREAMS)]
-    tasks = [asyncio.create_task(stream_completion(
-        url, TOKENS, started=event, model=model, ignore_eos=True, include_usage=True,
-        timeout_s=60)) for event in started]
-    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
-    await asyncio.to_thread(act)
-    return list(await asyncio.gather(*tasks))
+async def _streams_then(url: str, model: str, act: Callable[[], object]
+                        ) -> list[StreamResult]:
+    return await streams_then(url, model, act, streams=STREAMS, tokens=TOKENS, timeout_s=60)
 
 
 def _listed(url: str, model: str) -> bool:
@@ -71,12 +78,7 @@ async def test_quiesce_completes_every_stream_and_exits_drained(
         results = await _streams_then(frontend_url, model, worker.signal)
         code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
     assert all(r.complete for r in results), f"{results}\n{tail(worker.lines)}"
-    report = exit_report(worker)
-    assert code == 0 and report is not None, tail(worker.lines)
-    assert report["outcome"] == "drained" and report["drained"] is True, report
-    requests = report["requests"]
-    assert isinstance(requests, dict)
-    assert requests["completed"] == STREAMS and requests["lost"] == 0, report
+    assert_drained(worker, code, STREAMS)
     assert await asyncio.to_thread(_unlisted_within, frontend_url, model, 10.0), \
         "the model card outlived the worker"
 
@@ -100,3 +102,60 @@ async def test_dynamo_default_cuts_the_streams_at_its_grace(
     report = exit_report(worker)
     assert code == 5 and report is not None, tail(worker.lines)
     assert report["shutdown"] == "dynamo" and report["lost_requests"] == STREAMS, report
+
+
+HELD_MARK = "quiesce-test: the model card is registered, held"
+HELD_CARD = """\
+import asyncio, os, pathlib, sys
+import dynamo.llm
+from quiesce.ops.cli import main
+
+register = dynamo.llm.register_model
+
+async def held_register_model(*args, **kwargs):
+    await register(*args, **kwargs)
+    print(os.environ["QUIESCE_TEST_HELD_MARK"], flush=True)
+    release = pathlib.Path(os.environ["QUIESCE_TEST_RELEASE"])
+    while not release.exists():
+        await asyncio.sleep(0.05)
+
+dynamo.llm.register_model = held_register_model
+sys.exit(main(["--verbose", "serve", *sys.argv[1:]]))
+"""
+"""``quiesce serve`` whose Dynamo model registration (``dynamo.llm.register_model``, as
+:mod:`quiesce.adapters.dynamo.backend` calls it) is held once the card is published,
+until the file ``QUIESCE_TEST_RELEASE`` exists; everything else is the real worker."""
+
+
+def _wait_for_line(worker: Worker, text: str, timeout_s: float = EXIT_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(text in line for line in worker.lines):
+        assert worker.process.poll() is None and time.monotonic() < deadline, \
+            tail(worker.lines)
+        time.sleep(0.02)
+
+
+async def test_sigterm_while_the_card_registers_never_serves(
+        tiny_model: Path, cluster_dir: Path, frontend_url: str, tmp_path: Path) -> None:
+    """SIGTERM while Dynamo registers the model card: the endpoint is never served (no
+    ready line), the drain takes the card off, exit 0 drained; the frontend does not
+    list the model afterwards."""
+    model = str(tiny_model)
+    release = tmp_path / "release"
+    env = {**dynamo_env(cluster_dir / "store"), "QUIESCE_TEST_HELD_MARK": HELD_MARK,
+           "QUIESCE_TEST_RELEASE": str(release)}
+    command = [sys.executable, "-c", HELD_CARD, "--dynamo", "--model", model,
+               "--dynamo-discovery-backend", "file", "--admin-port", str(free_port()),
+               "--budget", "30", "--decode-step", str(STEP_S)]
+    with running(command, env, HELD_MARK, timeout_s=60,
+                 name="quiesce serve --dynamo (card held)") as worker:
+        worker.signal()
+        await asyncio.to_thread(_wait_for_line, worker, "shutdown requested by SIGTERM")
+        release.touch()
+        code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
+    report = exit_report(worker)
+    assert code == 0 and report is not None, tail(worker.lines)
+    assert report["outcome"] == "drained" and report["lost_requests"] == 0, report
+    assert not any('"event": "ready"' in line for line in worker.lines), tail(worker.lines)
+    assert await asyncio.to_thread(_unlisted_within, frontend_url, model, 10.0), \
+        "the model card outlived the worker"

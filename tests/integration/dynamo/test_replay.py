@@ -12,10 +12,10 @@ from pathlib import Path
 
 from bench.dynamo.result import ARMS
 from bench.dynamo.run import ArmRun, DynamoReplayConfig, run_arm
-from bench.replay import aiperf
+from bench.replay.trace import UniformLengths
 
 CONFIG = DynamoReplayConfig(rate_rps=1.0, load_s=8.0, scale_down_at_s=3.0,
-                            output_lengths=aiperf.UniformLengths(320, 400))
+                            output_lengths=UniformLengths(320, 400))
 """Every stream outlasts Dynamo's 5 s grace (at least 6.4 s at the paced step), and the
 victim holds at least the requests sent in the first seconds (round robin)."""
 

@@ -21,11 +21,13 @@ import pytest
 
 from quiesce.signal_guard import descendants
 from tests.integration.dynamo.processes import (
+    assert_drained,
     dynamo_env,
     exit_report,
     free_port,
     quiesce_worker,
     shipped_worker,
+    streams_then,
     vllm_args,
     wait_for_model,
 )
@@ -33,7 +35,6 @@ from tests.integration.worker_process import (
     StreamResult,
     running,
     signal_group,
-    stream_completion,
     tail,
 )
 
@@ -48,15 +49,7 @@ def _args(tiny_model: Path, cluster_dir: Path) -> list[str]:
 
 async def _streams_then(url: str, model: str, act: Callable[[], object]
                         ) -> list[StreamResult]:
-    """Start ``STREAMS`` streams; once every one has its first token, call ``act()``;
-    return every stream read to its end."""
-    started = [asyncio.Event() for _ in range(STREAMS)]
-    tasks = [asyncio.create_task(stream_completion(
-        url, TOKENS, started=event, model=model, ignore_eos=True, include_usage=True,
-        timeout_s=120)) for event in started]
-    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 60)
-    await asyncio.to_thread(act)
-    return list(await asyncio.gather(*tasks))
+    return await streams_then(url, model, act, streams=STREAMS, tokens=TOKENS)
 
 
 def _alive(pids: list[int]) -> list[int]:
@@ -125,12 +118,7 @@ async def test_quiesce_completes_every_stream_and_exits_drained(
         results = await _streams_then(frontend_url, model, deliver)
         code, _ = await asyncio.to_thread(worker.finish, EXIT_TIMEOUT_S)
     assert all(r.complete for r in results), f"{results}\n{tail(worker.lines)}"
-    report = exit_report(worker)
-    assert code == 0 and report is not None, tail(worker.lines)
-    assert report["outcome"] == "drained" and report["drained"] is True, report
-    requests = report["requests"]
-    assert isinstance(requests, dict)
-    assert requests["completed"] == STREAMS and requests["lost"] == 0, report
+    assert_drained(worker, code, STREAMS)
     assert not _outlived(pids), "engine processes outlived the worker"
 
 

@@ -43,6 +43,7 @@ from tests.integration.dynamo.processes import (
     exit_report,
     held_registration_worker,
     quiesce_worker,
+    streams_then,
     vllm_args,
     wait_for_model,
 )
@@ -117,15 +118,7 @@ def _listed(frontend_url: str) -> list[str]:
 
 async def _streams_then(url: str, model: str, act: Callable[[], object]
                         ) -> list[StreamResult]:
-    """Start ``STREAMS`` streams; once every one has its first token, call ``act()`` (in a
-    thread); return every stream read to its end."""
-    started = [asyncio.Event() for _ in range(STREAMS)]
-    tasks = [asyncio.create_task(stream_completion(
-        url, TOKENS, started=event, model=model, ignore_eos=True, include_usage=True,
-        timeout_s=120)) for event in started]
-    await asyncio.wait_for(asyncio.gather(*(event.wait() for event in started)), 120)
-    await asyncio.to_thread(act)
-    return list(await asyncio.gather(*tasks))
+    return await streams_then(url, model, act, streams=STREAMS, tokens=TOKENS)
 
 
 async def _short(url: str, model: str) -> StreamResult:

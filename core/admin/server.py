@@ -15,7 +15,7 @@ route                      auth   answer
 ``GET /health/live``       no     200 while the process and its event loop answer.
 ``GET /health/ready``      no     200 only while serving, else 503: a readiness probe takes the
                                   pod out of Service endpoints as soon as a drain starts.
-``GET /metrics``           no     Prometheus exposition (:mod:`quiesce.metrics`).
+``GET /metrics``           no     Prometheus exposition (:mod:`quiesce.admin.metrics`).
 =========================  =====  ===========================================================
 
 Every error is a 4xx (or the 503 above) with one body shape:
@@ -49,11 +49,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from quiesce.admin.metrics import WorkerMetrics
 from quiesce.errors import ConfigError, InvalidTransition, QuiesceError, ResumeFailed
 from quiesce.lifecycle import Lifecycle, State
-from quiesce.metrics import WorkerMetrics
 
-log = logging.getLogger("quiesce.server")
+log = logging.getLogger("quiesce.admin.server")
 
 MAX_BUDGET_S = 86_400.0
 """Largest budget or wait accepted (one day); anything larger is a typo, not a plan."""

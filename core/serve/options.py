@@ -430,6 +430,12 @@ def add_dynamo_arguments(parser: argparse.ArgumentParser) -> None:
                         help="then keep admitting until no request came for this long, s "
                              "(%(default)s; 0: off): a frontend that still sends keeps "
                              "the gate open")
+    parser.add_argument("--accept-untested-engine", default=None, metavar="VERSION",
+                        help="sglang only: trust the installed SGLang although quiesce's "
+                             "adapter was not tested on it (VERSION must name exactly the "
+                             "installed release, which you checked; a tested release or "
+                             "one known not to fit, such as 0.5.21, is refused). Shown as "
+                             "a warning in the log, the ready line and the status")
 
 
 def dynamo_policy(args: argparse.Namespace,

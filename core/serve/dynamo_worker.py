@@ -25,7 +25,8 @@ model load or before registration the worker stops without serving (nothing admi
 drained, 0); while serving or draining, the drain's outcome (0 drained, 3 forced, 5
 lost); a second signal 4. Dynamo's worker failing on its own is exit 1 with its error;
 bad options, a Dynamo or engine that cannot be imported, or a worker kind quiesce does
-not wrap are exit 2 before anything serves. Output: one JSON line ``{"event":
+not wrap (refused as soon as Dynamo parsed its arguments; each component's docstring
+lists them) are exit 2 before anything serves. Output: one JSON line ``{"event":
 "starting", ...}`` once the worker owns its signals (before Dynamo and the engine are
 imported), one ``{"event": "ready", ...}`` when the model is registered, and one
 ``{"event": "exit", ...}`` with the shutdown report, as ``quiesce serve`` prints them.
@@ -48,13 +49,8 @@ from collections.abc import Sequence
 from quiesce.adapters.dynamo import DynamoDiscovery
 from quiesce.adapters.dynamo.components import component_for
 from quiesce.adapters.dynamo.model_card import ModelCardDiscovery
-from quiesce.admission import AdmissionGate
-from quiesce.drain import DrainConfig
-from quiesce.errors import ConfigError, EngineNotInstalled
-from quiesce.lifecycle import Lifecycle
-from quiesce.metrics import WorkerMetrics
-from quiesce.serve_options import dynamo_policy
-from quiesce.server import (
+from quiesce.admin.metrics import WorkerMetrics
+from quiesce.admin.server import (
     LISTEN_BACKLOG,
     EmbeddedServer,
     bind_socket,
@@ -62,10 +58,15 @@ from quiesce.server import (
     create_admin_app,
     load_token,
 )
+from quiesce.admission import AdmissionGate
+from quiesce.drain import DrainConfig
+from quiesce.errors import ConfigError, EngineNotInstalled
+from quiesce.lifecycle import Lifecycle
+from quiesce.serve.options import dynamo_policy
 from quiesce.shutdown import Shutdown, ShutdownPolicy
 from quiesce.signal_guard import SignalOwnership
 
-log = logging.getLogger("quiesce.dynamo_worker")
+log = logging.getLogger("quiesce.serve.dynamo_worker")
 
 EXIT_WORKER_FAILED = 1
 """Dynamo's worker ended on its own (an error, or its runtime went away) before any signal."""
@@ -100,7 +101,9 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
                drain_config: DrainConfig, token: str | None, admin_socket: socket.socket,
                signals: SignalOwnership) -> int:
     gate = AdmissionGate(accepting=False)  # opened when the model is registered
-    component = component_for(args.component, gate)
+    component = component_for(  # ConfigError before anything starts
+        args.component, gate,
+        accept_untested_engine=getattr(args, "accept_untested_engine", None))
     discovery = ModelCardDiscovery(DynamoDiscovery(component.endpoints, registered=False),
                                    lambda: component.model)
     lifecycle = Lifecycle(gate=gate, probe=component.probe, discovery=discovery,
@@ -113,7 +116,8 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
     def worker_status() -> dict[str, object]:
         return {"signal_guard": signals.report(max_age_s=1.0).to_dict(),
                 "dynamo": {"component": args.component, "serving": component.serving,
-                           "endpoints": len(component.endpoints)}}
+                           "endpoints": len(component.endpoints)},
+                "warnings": list(component.warnings)}
 
     admin = EmbeddedServer(create_admin_app(lifecycle, token=token,
                                             metrics=WorkerMetrics(lifecycle),
@@ -130,7 +134,8 @@ async def _run(args: argparse.Namespace, argv: Sequence[str], *, policy: Shutdow
         log.log(logging.INFO if guards.protected else logging.WARNING, "signal guard: %s",
                 guards.summary())
         _emit({"event": "ready", "component": args.component, "admin_port": admin.port,
-               "pid": os.getpid(), "signal_guard": guards.to_dict()})
+               "pid": os.getpid(), "signal_guard": guards.to_dict(),
+               "warnings": list(component.warnings)})
 
     component.on_ready = on_ready
     worker = asyncio.create_task(component.run(argv), name="dynamo-worker")

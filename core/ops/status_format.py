@@ -111,6 +111,8 @@ def format_status(status: dict[str, Any]) -> str:
     rows: list[tuple[str, str]] = []
     rows.append(("state", f"{status.get('state', '?')} (generation {status.get('generation')}, "
                           f"{_num(status.get('seconds_in_state'))} in state)"))
+    warnings = status.get("warnings")
+    rows += [("WARNING", str(w)) for w in (warnings if isinstance(warnings, list) else ())]
     admission = "admission open" if status.get("accepting") else "admission closed"
     rows.append(("in-flight", f"{status.get('inflight_requests', '?')} request(s), {admission}"))
     pending = status.get("pending_work")

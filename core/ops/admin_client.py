@@ -1,4 +1,4 @@
-"""A small synchronous client of a worker's admin API (:mod:`quiesce.server`), for the CLI.
+"""A small synchronous client of a worker's admin API (:mod:`quiesce.admin.server`), for the CLI.
 
 :class:`AdminClient` wraps ``GET /engine/status``, ``POST /engine/drain`` and
 ``POST /engine/resume``; each returns the worker's status as a dict (the keys of

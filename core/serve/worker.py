@@ -2,12 +2,12 @@
 
 One process, one event loop, two HTTP servers:
 
-- the serving API on ``--port`` (:mod:`quiesce.openai_api`): OpenAI-compatible
+- the serving API on ``--port`` (:mod:`quiesce.serve.openai_api`): OpenAI-compatible
   ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions``
   (streaming as server-sent events, or one JSON answer), every request through the
   admission gate and ending in one recorded outcome; a closed gate answers 503 with a
   typed, retryable error;
-- the admin API on ``--admin-port`` (:mod:`quiesce.server`).
+- the admin API on ``--admin-port`` (:mod:`quiesce.admin.server`).
 
 SIGTERM or SIGINT runs the budgeted shutdown (:mod:`quiesce.shutdown`); a second
 signal exits at once. The process prints one JSON line once it owns its signals
@@ -58,16 +58,9 @@ from quiesce.adapters.dynamo.backend import DynamoBackend, require_dynamo_shutdo
 from quiesce.adapters.etcd import EtcdDiscovery
 from quiesce.adapters.nvml import GpuQuietProbe, require_gpu_quiet
 from quiesce.adapters.sim import SimConfig, SimServing
-from quiesce.admission import AdmissionGate
-from quiesce.discovery import Discovery, DiscoveryUnavailable, InMemoryDiscovery
-from quiesce.errors import ConfigError, EngineNotInstalled
-from quiesce.lifecycle import Lifecycle
-from quiesce.metrics import WorkerMetrics
-from quiesce.openai_api import ServingEngine, create_completions_app
-from quiesce.pod_deletion_cost import DeletionCostPublisher, PodIdentity
-from quiesce.probe import QuiescenceProbe
-from quiesce.serve_options import WorkerOptions, options_from_args
-from quiesce.server import (
+from quiesce.admin.metrics import WorkerMetrics
+from quiesce.admin.pod_deletion_cost import DeletionCostPublisher, PodIdentity
+from quiesce.admin.server import (
     LISTEN_BACKLOG,
     EmbeddedServer,
     bind_socket,
@@ -75,6 +68,13 @@ from quiesce.server import (
     create_admin_app,
     load_token,
 )
+from quiesce.admission import AdmissionGate
+from quiesce.discovery import Discovery, DiscoveryUnavailable, InMemoryDiscovery
+from quiesce.errors import ConfigError, EngineNotInstalled
+from quiesce.lifecycle import Lifecycle
+from quiesce.probe import QuiescenceProbe
+from quiesce.serve.openai_api import ServingEngine, create_completions_app
+from quiesce.serve.options import WorkerOptions, options_from_args
 from quiesce.shutdown import (
     EXIT_CLEAN,
     EXIT_LOST,
@@ -84,7 +84,7 @@ from quiesce.shutdown import (
 )
 from quiesce.signal_guard import SignalOwnership
 
-log = logging.getLogger("quiesce.worker")
+log = logging.getLogger("quiesce.serve.worker")
 
 EXIT_WORKER_FAILED = 1
 """``--dynamo``: serving ended without a signal (Dynamo's runtime went away)."""
@@ -276,19 +276,31 @@ def _signalled_meanwhile(shutdown: Shutdown) -> bool:
     return shutdown.requested
 
 
-def _closer(*sockets: socket.socket) -> Cleanup:
-    """Closes listening sockets no server took over (what waits in their backlog is
-    refused: it was never admitted)."""
-    async def close() -> None:
-        for sock in sockets:
-            sock.close()
+def _releaser(discovery: Discovery | None, gpu_quiet: GpuQuietProbe | None) -> Cleanup:
+    """What a worker closes after its shutdown, whichever way it went: the etcd client
+    (unregistered by the drain, or its lease expires) and the GPU reader (NVML and its
+    thread)."""
+    async def release() -> None:
+        if isinstance(discovery, EtcdDiscovery):
+            await discovery.close()
+        if gpu_quiet is not None:
+            await gpu_quiet.aclose()
 
-    return close
+    return release
 
 
-async def _stop_without_serving(shutdown: Shutdown, close: Cleanup | None = None) -> int:
+async def _stop_without_serving(shutdown: Shutdown, *, listeners: tuple[socket.socket, ...],
+                                close: Cleanup | None = None, release: Cleanup) -> int:
+    """Signalled before serving. ``listeners`` (sockets no server took over) are closed
+    first, so a connection is refused at once (one in a backlog is reset), never kept
+    waiting through the drain's router grace and quiet; then the shutdown runs
+    (``close``: its listeners' stage), then ``release`` (the clients the normal path
+    closes after it); the exit line is printed. Returns the report's exit code."""
     log.warning("signalled during start-up: stopping without serving")
+    for sock in listeners:
+        sock.close()
     report = await shutdown.run(close=close)
+    await release()
     _emit({"event": "exit", **report.to_dict()})
     return report.exit_code
 
@@ -319,16 +331,18 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     if early:
         shutdown.on_signal(early[0])
     admin = _Admin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod)
+    release = _releaser(discovery, gpu_quiet)
     # Registered before the servers start: nothing is served (and /health/ready does not
     # answer) until routers can find the worker; a failed registration serves nothing.
     # What connects during the registration (a few ms) waits in the listen backlog.
+    listeners = (api_socket, admin_socket)
     if shutdown.requested:  # signalled while the engine started: never register or serve
-        return await _stop_without_serving(shutdown)
-    for sock in (api_socket, admin_socket):
+        return await _stop_without_serving(shutdown, listeners=listeners, release=release)
+    for sock in listeners:
         sock.listen(LISTEN_BACKLOG)
     await _start_or_stop(lifecycle, serving)
     if _signalled_meanwhile(shutdown):  # while it registered: unregister, never serve
-        return await _stop_without_serving(shutdown, close=_closer(api_socket, admin_socket))
+        return await _stop_without_serving(shutdown, listeners=listeners, release=release)
     await api.start()
     await admin.server.start()
     _emit({"event": "ready", "port": api.port, "admin_port": admin.server.port,
@@ -341,10 +355,7 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
         await asyncio.gather(api.stop(), admin.server.stop())
 
     report = await shutdown.run(close=close)
-    if isinstance(discovery, EtcdDiscovery):
-        await discovery.close()  # unregistered by the drain (or its lease expires)
-    if gpu_quiet is not None:
-        await gpu_quiet.aclose()  # shuts NVML down and ends its thread
+    await release()
     _emit({"event": "exit", **report.to_dict()})
     return report.exit_code
 
@@ -375,6 +386,7 @@ async def _serve_dynamo(options: WorkerOptions, token: str | None, signals: Sign
     async def close_backend() -> None:
         await backend.close(policy.cleanup_reserve_s)
 
+    backend.stopping = lambda: shutdown.requested  # signalled: the card only, never serve
     if early:
         shutdown.on_signal(early[0])
     elif as_shipped:  # Dynamo's helper owns SIGTERM/SIGINT from here, as in dynamo.vllm
@@ -384,10 +396,13 @@ async def _serve_dynamo(options: WorkerOptions, token: str | None, signals: Sign
     dynamo = {"endpoint": backend.config.endpoint, "shutdown": options.dynamo_shutdown}
     admin = _Admin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod,
                          extra={"dynamo": dynamo})
-    if shutdown.requested:
-        return await _stop_without_serving(shutdown, close_backend)
-    admin_socket.listen(LISTEN_BACKLOG)
-    await _start_or_stop(lifecycle, serving, close_backend)  # card, then serve_endpoint
+    if not shutdown.requested:
+        admin_socket.listen(LISTEN_BACKLOG)
+        await _start_or_stop(lifecycle, serving, close_backend)  # card, then serve_endpoint
+    if _signalled_meanwhile(shutdown):  # before or while the card registered: never served
+        return await _stop_without_serving(shutdown, listeners=(admin_socket,),
+                                           close=close_backend,
+                                           release=_releaser(None, gpu_quiet))
     await admin.server.start()
     _emit({"event": "ready", "port": None, "admin_port": admin.server.port,
            "pid": os.getpid(), "dynamo": dynamo, "signal_guard": signals.report().to_dict()})
@@ -407,8 +422,7 @@ async def _serve_dynamo(options: WorkerOptions, token: str | None, signals: Sign
         report = await shutdown.run(close=close)
         _emit({"event": "exit", **report.to_dict()})
         code = report.exit_code
-    if gpu_quiet is not None:
-        await gpu_quiet.aclose()
+    await _releaser(None, gpu_quiet)()
     return code
 
 

@@ -1,22 +1,9 @@
-"""The ``quiesce`` command line.
+"""``quiesce status``, ``drain``, ``resume`` and ``prestop``: the operator commands.
 
-``quiesce demo`` replays the field report's scale-down under two policies. Exit
-codes: 0 success, 1 the demo's quiesce policy lost a request, 2 bad arguments.
-
-``quiesce serve`` runs the reference worker (:mod:`quiesce.worker`; its exit codes
-are the shutdown report's). ``quiesce dynamo vllm|sglang|trtllm [options] -- ARGS`` runs
-NVIDIA Dynamo's own ``dynamo.<engine>`` worker with quiesce inside (:mod:`quiesce.dynamo_worker`;
-the same exit codes, plus 1 when Dynamo's worker ends by itself).
-
-``quiesce doctor trtllm [--source DIR] [--json]`` checks, without a GPU and without
-importing it, that an installed TensorRT-LLM (or a source tree) still defines the names
-the adapter reads (:mod:`quiesce.adapters.trtllm.doctor`). Exit codes: 0 every required
-name is there (in a known layout), 1 drift (the probe would report UNKNOWN for good),
-2 bad arguments, 6 no TensorRT-LLM sources found, or they cannot be read, 7 an
-incomplete install (a file the package lists is missing: reinstall, this is not drift).
-
-The operator commands talk to a running worker's admin API (:mod:`quiesce.server`)
-through :class:`quiesce.admin_client.AdminClient`:
+Each talks to a running worker's admin API (:mod:`quiesce.admin.server`) through
+:class:`quiesce.ops.admin_client.AdminClient` (imported when a command runs: httpx is an
+optional extra). This module adds their subcommands to the ``quiesce`` parser
+(:func:`add_operator_commands`) and holds what each one does:
 
 - ``quiesce status [--json]``: state, generation, in-flight, pending work, drain progress;
 - ``quiesce drain [--budget S] [--wait [--wait-timeout S]] [--json]``: start a drain and,
@@ -27,7 +14,7 @@ through :class:`quiesce.admin_client.AdminClient`:
 Common options: ``--url`` (else ``$QUIESCE_ADMIN_URL``, else ``http://127.0.0.1:8001``),
 ``--token-file`` (else ``$QUIESCE_ADMIN_TOKEN``), ``--timeout`` (per HTTP call).
 
-Exit codes of the operator commands:
+Exit codes:
 
 === ==========================================================================
 0   ok (``drain --wait`` and ``prestop``: the worker is drained)
@@ -46,152 +33,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from quiesce.demo import DemoConfig
-from quiesce.demo import main as demo_main
-from quiesce.errors import ConfigError
-from quiesce.serve_options import add_dynamo_arguments, add_serve_arguments
-from quiesce.status_format import Progress, ended_line, explain, format_status
+from quiesce.ops.status_format import Progress, ended_line, explain, format_status
 
 if TYPE_CHECKING:
-    from quiesce.admin_client import AdminClient
+    from quiesce.ops.admin_client import AdminClient
 
-
-def _demo(args: argparse.Namespace) -> int:
-    try:
-        config = DemoConfig(
-            workers=args.workers, seed=args.seed, time_scale=args.time_scale,
-            never_pulled=args.never_pulled, scale_down_at_s=args.scale_down_at,
-            discovery_lag_s=args.discovery_lag, router_grace_s=args.router_grace,
-            shutdown_budget_s=args.budget)
-    except ConfigError as exc:
-        print(f"quiesce demo: invalid option {exc}", file=sys.stderr)
-        return 2
-    return demo_main(config, as_json=args.json, quiet=args.quiet)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quiesce",
-        description="Let an LLM inference worker leave service without losing a request.",
-        epilog=EXIT_CODES_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    defaults = DemoConfig()
-    demo = commands.add_parser(
-        "demo", help="replay the field report's scale-down: fixed grace vs quiesce",
-        description="Replay a two-phase load (8 req/s, then 0.2 req/s) against simulated "
-                    "workers and scale one down mid-load under the fixed-grace policy and "
-                    "under quiesce. All times are simulated seconds.")
-    demo.add_argument("--json", action="store_true", help="print one JSON object")
-    demo.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    demo.add_argument("--seed", type=int, default=defaults.seed, help="workload seed (%(default)s)")
-    demo.add_argument("--workers", type=int, default=defaults.workers,
-                      help="number of workers (%(default)s)")
-    demo.add_argument("--time-scale", type=float, default=defaults.time_scale,
-                      help="wall seconds per simulated second (%(default)s)")
-    demo.add_argument("--never-pulled", type=int, default=defaults.never_pulled,
-                      help="disaggregated requests whose KV the decoder never pulls "
-                           "(quiesce then ends at its budget, forced)")
-    demo.add_argument("--scale-down-at", type=float, default=defaults.scale_down_at_s,
-                      help="when the worker is scaled down, simulated s (%(default)s)")
-    demo.add_argument("--discovery-lag", type=float, default=defaults.discovery_lag_s,
-                      help="how late the dispatcher sees an unregistration, s (%(default)s)")
-    demo.add_argument("--router-grace", type=float, default=defaults.router_grace_s,
-                      help="quiesce's router grace after unregistering, s (%(default)s)")
-    demo.add_argument("--budget", type=float, default=defaults.shutdown_budget_s,
-                      help="quiesce's shutdown budget, s (%(default)s)")
-    demo.set_defaults(handler=_demo)
-
-    serve = commands.add_parser(
-        "serve", help="run the reference worker (needs quiesce[server])",
-        description="Serve an OpenAI-compatible /v1/completions in front of an engine, with "
-                    "the admin API on its own port; SIGTERM drains on one budget.")
-    add_serve_arguments(serve)
-    serve.set_defaults(handler=_serve)
-
-    dynamo = commands.add_parser(
-        "dynamo", help="run NVIDIA Dynamo's own worker component, drained by quiesce",
-        description="Run Dynamo's worker (python -m dynamo.COMPONENT ARGS, ai-dynamo 1.6.1) "
-                    "with quiesce inside: admission, the engine's probe, signal ownership "
-                    "and a budgeted drain on SIGTERM instead of Dynamo's fixed 5 s grace; "
-                    "the admin API on --admin-port. Example: quiesce dynamo vllm "
-                    "--admin-port 9100 -- --model Qwen/Qwen3-0.6B (everything after -- "
-                    "goes to Dynamo unchanged)")
-    add_dynamo_arguments(dynamo)
-    dynamo.set_defaults(handler=_dynamo)
-
-    doctor = commands.add_parser(
-        "doctor", help="check an engine's sources for drift (no GPU, no import)",
-        description="Check that an engine's installed sources still define what quiesce's "
-                    "adapter reads, by parsing them (the engine is never imported).")
-    engines = doctor.add_subparsers(dest="engine", required=True, metavar="ENGINE")
-    trtllm = engines.add_parser(
-        "trtllm", help="TensorRT-LLM: PyExecutor, transfer tracker, queues, stats, Ray",
-        description="Parse TensorRT-LLM's sources with ast and report each name the adapter "
-                    "relies on as found, alternative (an older known layout) or missing. "
-                    "Exit 0 when every required name is there, 1 on drift (the probe would "
-                    "report UNKNOWN for good), 6 when no sources are found or readable, 7 "
-                    "when the install is incomplete (a file it lists is missing).")
-    trtllm.add_argument("--source", default=None, metavar="DIR",
-                        help="a TensorRT-LLM checkout, an unpacked wheel, or the tensorrt_llm "
-                             "package directory (default: the installed package)")
-    trtllm.add_argument("--json", action="store_true", help="print one JSON object")
-    trtllm.set_defaults(handler=_doctor_trtllm)
-
-    _add_operator_commands(commands)
-    return parser
-
-
-EXIT_NO_SOURCE = 6
-"""``quiesce doctor``: nothing to check (no sources found, or unreadable)."""
-
-
-def _doctor_trtllm(args: argparse.Namespace) -> int:
-    from pathlib import Path  # noqa: PLC0415 (kept off the CLI's start-up path)
-
-    from quiesce.adapters.trtllm import doctor  # noqa: PLC0415
-
-    try:
-        report = (doctor.check(doctor.package_dir(Path(args.source)))
-                  if args.source is not None else doctor.check_installed())
-    except doctor.DoctorError as exc:
-        print(f"quiesce doctor trtllm: {exc}", file=sys.stderr)
-        return EXIT_NO_SOURCE
-    print(json.dumps(report.to_dict(), indent=2) if args.json else report.format())
-    return report.exit_code  # 0 ok, 1 drift, 7 incomplete install
-
-
-def _serve(args: argparse.Namespace) -> int:
-    try:
-        from quiesce.worker import serve_main  # noqa: PLC0415 (optional extra)
-    except ImportError as exc:
-        print(f"quiesce serve needs the server extra: pip install 'quiesce[server]' ({exc})",
-              file=sys.stderr)
-        return 2
-    return serve_main(args)
-
-
-def _dynamo(args: argparse.Namespace) -> int:
-    try:
-        from quiesce.dynamo_worker import dynamo_main  # noqa: PLC0415 (optional extras)
-    except ImportError as exc:
-        print(f"quiesce dynamo needs the server extra: pip install 'quiesce[server]' ({exc})",
-              file=sys.stderr)
-        return 2
-    return dynamo_main(args)
-
-
-# -- operator commands: status, drain, resume, prestop ---------------------------------
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -254,7 +108,8 @@ def _margin_seconds(text: str) -> float:
     return value
 
 
-def _add_operator_commands(commands: Any) -> None:
+def add_operator_commands(commands: Any) -> None:
+    """Add ``status``, ``drain``, ``resume`` and ``prestop`` to ``quiesce``'s subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     connection = common.add_argument_group("connection to the worker's admin API")
     connection.add_argument(
@@ -341,7 +196,7 @@ def _error(args: argparse.Namespace, message: str) -> None:
 
 
 def _exit_code(exc: Exception) -> int:
-    from quiesce import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
+    from quiesce.ops import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
 
     if isinstance(exc, ac.AdminError):
         # the worker judged the request itself invalid: a usage error, nothing changed
@@ -358,7 +213,7 @@ def _operator(operation: Operation) -> Callable[[argparse.Namespace], int]:
 
     def handler(args: argparse.Namespace) -> int:
         try:
-            from quiesce import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
+            from quiesce.ops import admin_client as ac  # noqa: PLC0415 (httpx is an optional extra)
         except ImportError as exc:
             _error(args, f"needs httpx: pip install 'quiesce[server]' ({exc})")
             return EXIT_USAGE
@@ -505,23 +360,3 @@ def _run_prestop(args: argparse.Namespace, client: AdminClient) -> int:
     print(f"drained (generation {status.get('generation')}) after "
           f"{time.monotonic() - started:.1f}s")
     return EXIT_OK
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    words = list(sys.argv[1:] if argv is None else argv)
-    # ``quiesce dynamo COMPONENT [options] -- ARGS``: ARGS belong to Dynamo, unparsed
-    passthrough: list[str] = []
-    if "dynamo" in words and "--" in words and words.index("dynamo") < words.index("--"):
-        cut = words.index("--")
-        words, passthrough = words[:cut], words[cut + 1:]
-    args = build_parser().parse_args(words)
-    if args.command == "dynamo":
-        args.args = passthrough
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    code: int = args.handler(args)
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

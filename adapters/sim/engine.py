@@ -1,4 +1,4 @@
-"""A simulated LLM engine and its probe: the default engine of the demo, benchmarks and tests.
+"""The simulated LLM engine: the default engine of the demo, benchmarks and tests.
 
 :class:`SimEngine` is an asyncio engine with a waiting queue, a running batch and a
 per-token time model (prefill cost per prompt token, one decode step per output
@@ -18,9 +18,6 @@ worker; the engine records it so the demo can count it as a failed request.
 Deterministic under ``seed``: every random choice (pull latencies) comes from one
 ``random.Random(seed)``; only wall-clock jitter of the event loop can shift timings.
 ``time_scale`` multiplies every simulated duration, so a demo can compress time.
-
-:class:`SimProbe` reads the engine's counters directly: O(1), no await, no mutation,
-and it notifies the drain on every change (``wait_for_change``).
 """
 
 from __future__ import annotations
@@ -32,22 +29,12 @@ import heapq
 import random
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from enum import Enum
-from typing import Any
 
 from quiesce.budget import check_seconds
-from quiesce.errors import ConfigError, RequestAborted, RequestRejected
+from quiesce.errors import ConfigError, RequestAborted
 from quiesce.eta import DrainEta
-from quiesce.generation import Delta, Prompt, Sampling
-from quiesce.probe import PendingWork, Probe, Role
-
-SOURCE = "sim.engine"
-SIM_DEFAULT_MAX_TOKENS = 16
-"""Output length of a served request that sets no ``max_tokens`` (a chat request may not)."""
-
-__all__ = ["KVFate", "RequestAborted", "SimConfig", "SimEngine", "SimProbe", "SimRequest",
-           "SimServing", "probe_factory"]
 
 
 class KVFate(str, Enum):
@@ -391,115 +378,3 @@ class SimEngine:
                 self._finish(live)
             if done:
                 self._notify()
-
-
-class SimProbe(Probe):
-    """Reads a :class:`SimEngine`'s counters: exact, O(1), and change-notifying."""
-
-    def __init__(self, engine: SimEngine, role: Role | str = Role.AGGREGATED) -> None:
-        super().__init__(role, SOURCE)
-        self.engine = engine
-
-    def snapshot(self) -> PendingWork:
-        engine = self.engine
-        if engine.stopped:
-            return PendingWork.unknown(self.role, self.source,
-                                       f"engine {engine.name} is stopped")
-        waiting, running, held, awaiting = engine.counts()
-        return PendingWork(role=self.role, source=self.source, waiting=waiting, running=running,
-                           kv_sends_held=held, kv_recvs_awaited=awaiting,
-                           engine_has_work=engine.has_work,
-                           details={"estimated_drain_s": round(engine.estimated_drain_s(), 6)},
-                           eta=engine.drain_eta())
-
-    async def pending_work(self) -> PendingWork:
-        return self.snapshot()
-
-    async def wait_for_change(self, after: PendingWork, timeout: float) -> None:
-        if not self.snapshot().same_work(after):
-            return
-        await self.engine.wait_for_change(timeout)
-
-
-class SimServing:
-    """The simulated engine behind the reference worker (``quiesce serve --engine sim``).
-
-    What it honours of a request (:class:`~quiesce.generation.Sampling`): ``max_tokens``
-    (unset: :data:`SIM_DEFAULT_MAX_TOKENS`), ``stop`` strings (the text ends before the
-    first match, finish reason ``stop``; text is held back while a stop string could still
-    match), ``ignore_eos`` and ``min_tokens`` (the sim has no end-of-sequence token: it
-    always runs to ``max_tokens`` or a stop string). The sampling knobs (temperature,
-    top_p, top_k, min_p, seed, penalties) are accepted and change nothing: its text,
-    ``" t1 t2 ..."``, is deterministic. It rejects nothing a valid request can ask.
-
-    Chat: :meth:`render_chat` writes each message as ``"role: content"`` on its own line,
-    then ``"assistant:"``. KV transfer: ``do_remote_decode`` holds the KV for a decoder and
-    the last delta returns ``{"do_remote_prefill": true, "remote_engine_id",
-    "remote_request_id"}``, the handle a decoder's request carries; ``do_remote_prefill``
-    awaits the KV first; ``sim_never_pulled``: that decoder never pulls (tests).
-    """
-
-    def __init__(self, config: SimConfig | None = None, role: Role | str = Role.AGGREGATED,
-                 name: str = "sim", served_model_name: str = "quiesce") -> None:
-        self.engine = SimEngine(config, name=name)
-        self.probe = SimProbe(self.engine, role)
-        self.control = self.engine
-        self.model_names = (served_model_name,)
-
-    async def start(self) -> None:
-        await self.engine.start()
-
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
-        return "\n".join([*lines, "assistant:"])
-
-    def stream(self, prompt: Prompt, sampling: Sampling, request_id: str,
-               kv_transfer_params: Mapping[str, Any]) -> AsyncIterator[Delta]:
-        """The request's deltas, one per token (fewer while text is held back for a stop
-        string); the last carries the finish reason. Raises RequestAborted if aborted."""
-        prompt_tokens = len(prompt) if isinstance(prompt, tuple) else len(prompt.split())
-        max_tokens = sampling.max_tokens or SIM_DEFAULT_MAX_TOKENS
-        request = SimRequest(request_id, prompt_tokens=max(1, prompt_tokens),
-                             max_tokens=max_tokens,
-                             remote_decode=bool(kv_transfer_params.get("do_remote_decode")),
-                             remote_prefill=bool(kv_transfer_params.get("do_remote_prefill")),
-                             never_pulled=bool(kv_transfer_params.get("sim_never_pulled")))
-        handle = ({"do_remote_prefill": True, "do_remote_decode": False,
-                   "remote_engine_id": self.engine.name, "remote_request_id": request_id}
-                  if request.remote_decode else None)
-        return self._deltas(request, sampling.stop, handle)
-
-    async def _deltas(self, request: SimRequest, stop: tuple[str, ...],
-                      handle: Mapping[str, Any] | None) -> AsyncIterator[Delta]:
-        if self.engine.holds(request.request_id):  # ids key the engine's queues
-            raise RequestRejected(f"request_id {request.request_id!r} is already in flight")
-        holdback = max((len(s) for s in stop), default=1) - 1
-        text, sent, pending = "", 0, 0
-        tokens = self.engine.generate(request)
-        try:
-            async for token in tokens:
-                text += f" t{token}"
-                pending += 1
-                hits = [i for i in (text.find(s, sent) for s in stop) if i >= 0]
-                if hits:  # the text ends before the stop string; the engine stops here
-                    yield Delta(text[sent:min(hits)], pending, "stop", request.prompt_tokens)
-                    return
-                done = token >= request.max_tokens
-                upto = len(text) if done else max(sent, len(text) - holdback)
-                if done or upto > sent:
-                    yield Delta(text[sent:upto], pending, "length" if done else None,
-                                request.prompt_tokens if done else None,
-                                handle if done else None)
-                    sent, pending = upto, 0
-        finally:  # a stop string or a client that left: the engine drops the request
-            close = getattr(tokens, "aclose", None)
-            if close is not None:
-                await close()
-
-
-def probe_factory(engine: object, *, role: Role | str = Role.AGGREGATED) -> SimProbe:
-    """Registry entry point ``sim``: a :class:`SimProbe` for a :class:`SimEngine`."""
-    if not isinstance(engine, SimEngine):
-        raise ConfigError("engine",
-                          f"the sim adapter needs a SimEngine, got {type(engine).__name__}")
-    return SimProbe(engine, role)

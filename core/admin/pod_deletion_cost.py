@@ -52,7 +52,7 @@ from quiesce.drain_cost import DrainCost
 from quiesce.errors import ConfigError
 from quiesce.lifecycle import Lifecycle
 
-log = logging.getLogger("quiesce.pod_deletion_cost")
+log = logging.getLogger("quiesce.admin.pod_deletion_cost")
 
 ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")

@@ -3,7 +3,7 @@
 Routes: ``GET /v1/models`` (the served model), ``POST /v1/completions`` and
 ``POST /v1/chat/completions``, each streaming (server-sent events, ``data: {...}`` lines
 ending with ``data: [DONE]``) or answering one JSON object. Request bodies and their
-mapping to the engine are in :mod:`quiesce.openai_protocol`.
+mapping to the engine are in :mod:`quiesce.serve.openai_protocol`.
 
 Every request goes through the admission gate before any work starts, and ends in
 exactly one :class:`~quiesce.admission.Outcome` (see :mod:`quiesce.admission`): the
@@ -14,7 +14,7 @@ engine's finish reason ``stop``/``length`` is ``completed``; :class:`RequestAbor
 answer, or ``usage`` and ``[DONE]``) was handed to the server, so a drain never ends
 before the answer did.
 
-Errors use the typed body of :func:`quiesce.server.error_response`
+Errors use the typed body of :func:`quiesce.admin.server.error_response`
 (``{"error": {"type", "message", "retryable"}}``):
 
 - 400 ``invalid_request``: malformed JSON, an unknown or invalid parameter, or input the
@@ -44,18 +44,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from quiesce.admin.server import error_response
 from quiesce.admission import Admission, AdmissionGate, Outcome
 from quiesce.engine import EngineControl
 from quiesce.errors import RequestAborted, RequestRejected, WorkerDraining
 from quiesce.generation import FINISHED_BY_ENGINE, Delta, Prompt, Sampling
-from quiesce.openai_protocol import (
+from quiesce.probe import QuiescenceProbe
+from quiesce.serve.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     sampling_from,
 )
-from quiesce.probe import QuiescenceProbe
-from quiesce.server import error_response
 
 
 class ServingEngine(Protocol):
