@@ -11,7 +11,9 @@ worker is draining. This module keeps them out of it.
   claim` before the engine starts (a private directory, named with the owner's pid in
   :data:`OWNER_ENV`, which every engine process inherits); :meth:`~SignalOwnership.
   permit_shutdown` right before the worker tells the engine to stop (the engine's own
-  handlers run again, so its normal shutdown works); :meth:`~SignalOwnership.report`
+  handlers run again, so its normal shutdown works); :meth:`~SignalOwnership.hold` takes
+  a permit back (a worker that lets the engine act on signals while it starts, because
+  nothing is admitted yet, and holds them once it serves); :meth:`~SignalOwnership.report`
   (below); :func:`kill_descendants` for the forced exit (a second signal).
 - **engine processes**: :func:`guard_process`, called by an adapter's plugin in each
   engine process, wraps the SIGTERM and SIGINT handlers: until the owner permits the
@@ -158,6 +160,15 @@ class SignalOwnership:
         with contextlib.suppress(OSError):
             (self.directory / PERMIT).touch()
         self.permitted = True
+
+    def hold(self) -> None:
+        """Take the permit back: from now on the engine's processes hold signals again
+        until :meth:`permit_shutdown`. Raises OSError if the permit cannot be removed (the
+        engine would still act on signals on its own)."""
+        if self.directory is None:
+            raise RuntimeError("claim() the signals before holding them")
+        (self.directory / PERMIT).unlink(missing_ok=True)
+        self.permitted = False
 
     def report(self, max_age_s: float = 0.0) -> GuardReport:
         """Every descendant process of this one, and whether each is protected; a report

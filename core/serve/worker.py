@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -58,16 +57,15 @@ from quiesce.adapters.dynamo.backend import DynamoBackend, require_dynamo_shutdo
 from quiesce.adapters.etcd import EtcdDiscovery
 from quiesce.adapters.nvml import GpuQuietProbe, require_gpu_quiet
 from quiesce.adapters.sim import SimConfig, SimServing
-from quiesce.admin.metrics import WorkerMetrics
-from quiesce.admin.pod_deletion_cost import DeletionCostPublisher, PodIdentity
+from quiesce.admin.pod_deletion_cost import PodIdentity
 from quiesce.admin.server import (
     LISTEN_BACKLOG,
     EmbeddedServer,
     bind_socket,
     check_bind,
-    create_admin_app,
     load_token,
 )
+from quiesce.admin.worker_admin import WorkerAdmin
 from quiesce.admission import AdmissionGate
 from quiesce.discovery import Discovery, DiscoveryUnavailable, InMemoryDiscovery
 from quiesce.errors import ConfigError, EngineNotInstalled
@@ -233,44 +231,6 @@ async def _probe(options: WorkerOptions, serving: ServingEngine, timeout_s: floa
     return gpu_quiet, gpu_quiet
 
 
-@dataclasses.dataclass
-class _Admin:
-    """The admin API and the deletion-cost publisher of one worker."""
-
-    server: EmbeddedServer
-    publisher: DeletionCostPublisher | None
-    publishing: asyncio.Task[None] | None = None
-
-    @classmethod
-    def build(cls, lifecycle: Lifecycle, sock: socket.socket, *, token: str | None,
-              signals: SignalOwnership, pod: PodIdentity | None,
-              extra: dict[str, object] | None = None) -> _Admin:
-        publisher = DeletionCostPublisher(lifecycle, pod) if pod is not None else None
-
-        def worker_status() -> dict[str, object]:  # the CLI polls status every 50 ms
-            status: dict[str, object] = {"signal_guard":
-                                         signals.report(max_age_s=1.0).to_dict(), **(extra or {})}
-            if publisher is not None:
-                status["deletion_cost"] = publisher.status()
-            return status
-
-        return cls(EmbeddedServer(create_admin_app(lifecycle, token=token,
-                                                   metrics=WorkerMetrics(lifecycle),
-                                                   extra_status=worker_status), sock),
-                   publisher)
-
-    def publish(self) -> None:
-        if self.publisher is not None:
-            self.publishing = asyncio.create_task(self.publisher.run(asyncio.Event()),
-                                                  name="deletion-cost")
-
-    def leaving(self) -> None:
-        """The pod is on its way out: its cost no longer matters. At once, even mid-PATCH:
-        the shutdown's budget is running."""
-        if self.publishing is not None:
-            self.publishing.cancel()
-
-
 def _signalled_meanwhile(shutdown: Shutdown) -> bool:
     """``shutdown.requested``, read again after an await (a signal may have come)."""
     return shutdown.requested
@@ -330,7 +290,7 @@ async def _serve(options: WorkerOptions, token: str | None, signals: SignalOwner
     shutdown.install_signal_handlers()
     if early:
         shutdown.on_signal(early[0])
-    admin = _Admin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod)
+    admin = WorkerAdmin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod)
     release = _releaser(discovery, gpu_quiet)
     # Registered before the servers start: nothing is served (and /health/ready does not
     # answer) until routers can find the worker; a failed registration serves nothing.
@@ -394,7 +354,7 @@ async def _serve_dynamo(options: WorkerOptions, token: str | None, signals: Sign
     else:
         shutdown.install_signal_handlers()
     dynamo = {"endpoint": backend.config.endpoint, "shutdown": options.dynamo_shutdown}
-    admin = _Admin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod,
+    admin = WorkerAdmin.build(lifecycle, admin_socket, token=token, signals=signals, pod=pod,
                          extra={"dynamo": dynamo})
     if not shutdown.requested:
         admin_socket.listen(LISTEN_BACKLOG)

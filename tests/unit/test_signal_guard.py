@@ -104,6 +104,30 @@ def test_permitted_default_action_still_kills(owner: SignalOwnership) -> None:
         stop(engine)
 
 
+def test_a_permit_taken_back_holds_the_signals_again(owner: SignalOwnership) -> None:
+    """vllm serve: the engine acts on signals while it starts (nothing is admitted yet),
+    then holds them once the worker serves."""
+    owner.permit_shutdown()
+    engine, first = start_engine("own")
+    try:
+        assert first == "guarded"
+        owner.hold()
+        assert not owner.permitted
+        engine.send_signal(signal.SIGTERM)
+        with pytest.raises(subprocess.TimeoutExpired):
+            engine.wait(timeout=0.5)  # held back again
+        owner.permit_shutdown()
+        engine.send_signal(signal.SIGTERM)
+        assert engine.wait(timeout=10) == 7
+    finally:
+        stop(engine)
+
+
+def test_holding_needs_a_claim() -> None:
+    with pytest.raises(RuntimeError, match="claim"):
+        SignalOwnership().hold()
+
+
 def test_an_owner_that_is_gone_no_longer_holds_the_signals_back(
         owner: SignalOwnership) -> None:
     engine, first = start_engine("own")
