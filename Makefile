@@ -108,6 +108,7 @@ bench: etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed
 		$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
 	$(BIN)/python -m bench
 	$(VLLM_BIN)/python -m bench.vllm && $(VLLM_BIN)/python -m bench.shutdown && $(VLLM_BIN)/python -m bench.eta
+	$(VLLM_BIN)/python -m bench.vllm_serve
 	$(DYNAMO_BIN)/python -m bench.dynamo
 	$(SGLANG_BIN)/python -m bench.sglang
 

@@ -13,7 +13,8 @@ What it does, in order, so that a bad setting refuses the start before the (slow
    the admin token, the pod's identity (``--publish-deletion-cost``), and bind the admin
    port (not listening yet). Any problem: one line on stderr naming the setting, and
    ``vllm serve`` exits with code 2;
-2. claim signal ownership (:class:`~quiesce.signal_guard.SignalOwnership`): the engine's
+2. send quiesce's log lines to stderr in vLLM's format (vLLM configures only its own);
+3. claim signal ownership (:class:`~quiesce.signal_guard.SignalOwnership`): the engine's
    processes, started next, inherit the claim and are guarded by quiesce's engine plugin
    (:mod:`quiesce.adapters.vllm.plugin`). The claim starts *permitted*: while vLLM starts
    nothing is admitted, so a signal then is vLLM's to act on, as without quiesce. The
@@ -108,6 +109,7 @@ def _claim(options: VllmServeOptions) -> Claim:
     except OSError as exc:
         raise ConfigError("--admin-port", f"cannot bind {options.admin_host}:"
                           f"{options.admin_port}: {exc}") from None
+    _log_like_vllm()
     signals = SignalOwnership()
     signals.claim()
     signals.permit_shutdown()  # vLLM's to act on until the middleware serves
@@ -116,3 +118,18 @@ def _claim(options: VllmServeOptions) -> Claim:
              "admin API on %s:%d", os.getpid(), options.admin_host,
              admin_socket.getsockname()[1])
     return Claim(options, signals, admin_socket, token, pod)
+
+
+def _log_like_vllm() -> None:
+    """vLLM configures its own loggers only: quiesce's INFO lines (the claim, the drain's
+    progress, the shutdown's report) go to stderr in vLLM's format, unless the process's
+    logging already has a handler for them."""
+    logger = logging.getLogger("quiesce")
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"(quiesce pid={os.getpid()}) %(levelname)s %(asctime)s [%(name)s] %(message)s",
+        "%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

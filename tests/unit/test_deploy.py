@@ -1,8 +1,10 @@
 """The Kubernetes recipes keep their timing promise: the worker always exits before SIGKILL.
 
-Reads the manifests in deploy/kubernetes/ (the reference worker, and Dynamo's vLLM worker
-under ``quiesce dynamo vllm``) and checks the rule stated at the top of each against the
-real CLI parsers (so a renamed flag breaks this test, not a cluster).
+Reads the manifests in deploy/kubernetes/ (the reference worker, Dynamo's vLLM worker
+under ``quiesce dynamo vllm``, and ``vllm serve`` with quiesce's middleware) and checks
+the rule stated at the top of each against the real parsers: quiesce's CLI, and for
+``vllm serve`` quiesce's ``$QUIESCE_VLLM_ARGS`` (so a renamed flag breaks this test, not
+a cluster).
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from quiesce.ops.operator_commands import DEFAULT_URL
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 MANIFEST = DEPLOY / "worker.yaml"
 DYNAMO_MANIFEST = DEPLOY / "dynamo-vllm-worker.yaml"
+VLLM_SERVE_MANIFEST = DEPLOY / "vllm-serve.yaml"
 MANIFESTS = [MANIFEST, DYNAMO_MANIFEST]
+"""The manifests whose worker is a ``quiesce`` command line."""
 
 
 def test_every_manifest_is_checked_here() -> None:
-    assert sorted(DEPLOY.glob("*.yaml")) == sorted(MANIFESTS)
+    assert sorted(DEPLOY.glob("*.yaml")) == sorted([*MANIFESTS, VLLM_SERVE_MANIFEST])
 
 
 def deployment(manifest: Path = MANIFEST) -> dict[str, Any]:
@@ -112,3 +116,38 @@ def test_the_pod_may_patch_its_own_deletion_cost() -> None:
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+
+
+def test_vllm_serve_exits_before_sigkill_and_only_the_middleware_is_added() -> None:
+    from quiesce.serve.vllm_options import ARGS_ENV, parse_vllm_serve_options
+    from quiesce.serve.vllm_plugin import MIDDLEWARE, names_middleware
+
+    docs = [d for d in yaml.safe_load_all(VLLM_SERVE_MANIFEST.read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    pod = deployment(VLLM_SERVE_MANIFEST)["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    command = container["command"]
+    assert command[:2] == ["vllm", "serve"] and names_middleware(command)
+    assert [w for w in command if "quiesce" in w] == [MIDDLEWARE]  # vLLM's command otherwise
+    env = {e["name"]: e for e in container["env"]}
+    options = parse_vllm_serve_options(env[ARGS_ENV]["value"])  # what the plugin reads
+    grace = float(pod["terminationGracePeriodSeconds"])
+    prestop = parse(container["lifecycle"]["preStop"]["exec"]["command"])
+    assert prestop.grace_period == grace
+    assert grace - prestop.margin > 0
+    assert grace - prestop.margin + options.budget_s < grace
+    # the admin API: beyond loopback with a token; the hook drains this server
+    assert options.admin_host == "0.0.0.0"
+    assert "secretKeyRef" in env["QUIESCE_ADMIN_TOKEN"]["valueFrom"]
+    assert urlsplit(prestop.url).port == options.admin_port
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["admin"] == options.admin_port and ports["http"] == int(command[4])
+    # readiness is quiesce's on vLLM's port; liveness stays vLLM's own
+    assert container["readinessProbe"]["httpGet"] == {"path": "/quiesce/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    # the deletion cost: the pod may patch pods and nothing more
+    assert options.publish_deletion_cost
+    assert pod["serviceAccountName"] == by_kind["ServiceAccount"]["metadata"]["name"]
+    (rule,) = by_kind["Role"]["rules"]
+    assert rule["resources"] == ["pods"] and rule["verbs"] == ["patch"]
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"

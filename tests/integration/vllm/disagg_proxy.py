@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import uuid
 from typing import Any
 
 import httpx
@@ -125,3 +126,14 @@ class DisaggProxy:
             finally:
                 self.waiting_to_decode -= 1
         return await self.decode(body, kv_params)
+
+
+def prompt() -> str:
+    """A fresh prompt per request, so that the decoder's own prefix cache never hits."""
+    words = " ".join(f"w{n}" for n in uuid.uuid4().bytes[:12])
+    return f"hello world the quick brown fox {words} jumps over the lazy dog"
+
+
+def completion(max_tokens: int = 12) -> dict[str, Any]:
+    """One completion of ``max_tokens`` tokens exactly (``ignore_eos``), on a fresh prompt."""
+    return {"prompt": prompt(), "max_tokens": max_tokens, "ignore_eos": True}

@@ -19,7 +19,13 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-from tests.integration.worker_process import TOKEN, Worker, running, worker_processes
+from tests.integration.worker_process import (
+    TOKEN,
+    Worker,
+    running,
+    signal_every_process,
+    worker_processes,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 CLI = Path(__file__).resolve().parent / "vllm_cli.py"
@@ -109,12 +115,7 @@ def deliver(pid: int, how: str) -> list[int]:
         os.killpg(pid, sig)
         return members
     assert how == "every", how
-    signalled = []
-    for target in worker_processes(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(target, sig)
-            signalled.append(target)
-    return signalled
+    return signal_every_process(pid, sig)
 
 
 def _group(pid: int) -> int | None:

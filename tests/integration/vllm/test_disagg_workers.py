@@ -1,6 +1,5 @@
-"""The disaggregated pair, as an operator runs it: two ``quiesce serve --engine vllm``
-processes on the CPU, a prefill worker (``--role prefill``, NIXL ``kv_producer``) and a
-decode worker (``--role decode``, ``kv_consumer``), each with vLLM's real
+"""The disaggregated pair, as an operator runs it: two processes on the CPU, a prefill
+worker (NIXL ``kv_producer``) and a decode worker (``kv_consumer``), each with vLLM's real
 ``NixlConnector`` over NIXL's UCX backend and its own side-channel port
 (``VLLM_NIXL_SIDE_CHANNEL_PORT``, read by the spawned EngineCore), and a tiny proxy in
 this process (:mod:`tests.integration.vllm.disagg_proxy`) that sends each completion to
@@ -9,8 +8,15 @@ decode worker, which pulls the KV from the prefill worker over NIXL. The workers
 agents run without their progress thread (``nixl_cpu/sitecustomize.py``: it busy-polls a
 whole core per engine, which two engines on this two-core machine cannot afford); NIXL
 then progresses in the calls vLLM's connector makes on each engine step. Neither vLLM's
-NIXL connector (same ``sitecustomize.py``) nor its CPU backend (:data:`NO_CPU_BINDING`)
-pins a worker's main thread to a core: both pinned both workers to the same one.
+NIXL connector (same ``sitecustomize.py``) nor its CPU backend
+(:data:`.nixl_workers.NO_CPU_BINDING`) pins a worker's main thread to a core: both
+pinned both workers to the same one.
+
+Two faces of the prefill worker are tested, each as its own process: vLLM's own server
+with quiesce's middleware (``vllm serve ... --middleware``, :mod:`.serve_process`) and
+``quiesce serve --engine vllm --role prefill``. The decode worker is a ``vllm serve``
+with the middleware (its role, decode, from its ``kv_consumer``), so the pair of the
+first face is two ``vllm serve`` behind a proxy that passes ``kv_transfer_params``.
 
 The scenario: several requests go through the proxy; their prefills finish, so the
 prefill worker has no admitted request left but holds their KV; the decode side is slow
@@ -24,7 +30,10 @@ no request lost.
 
 Engine start-up is slow (~25–50 s each on two CPU cores): the decode worker is started
 once for the module, a fresh prefill worker for each delivery (it exits at the end of
-each). The last test is the negative: a prefill worker whose decoder never pulls ends its
+each). Three of the four deliveries, across the faces (:data:`DELIVERIES`; the
+fourth, SIGTERM to the main process only, is the last test's, and the four on ``vllm
+serve`` under aggregated streaming load are test_vllm_serve.py's). The last test
+is the negative: a prefill worker whose decoder never pulls ends its
 drain timed out at its budget, exit code 3, never ``drained``. NIXL's own safety net, the
 lease on held blocks (``kv_lease_duration``), is set far longer than any scenario here
 (and each test checks that no lease expired), so a ``drained`` can only come from the
@@ -35,12 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import signal
-import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -49,117 +54,31 @@ import httpx
 import pytest
 
 from tests.integration.vllm.conftest import SKIP_REASON
-from tests.integration.vllm.disagg_proxy import DecodeStream, DisaggProxy
-from tests.integration.worker_process import Worker, start_worker
+from tests.integration.vllm.disagg_proxy import DecodeStream, DisaggProxy, completion
+from tests.integration.vllm.nixl_workers import (
+    DECODE_TOKENS,
+    LEASE_EXPIRED,
+    nixl_worker,
+)
+from tests.integration.vllm.serve_process import deliver
+from tests.integration.worker_process import Worker
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
 pytestmark = [pytest.mark.slow]
 
-LOOPBACK = "127.0.0.1"
-KV_LEASE_S = 120
-"""The prefill worker's lease on held KV blocks (vLLM's own safety net; default 30 s):
-far longer than any scenario here, so held KV is freed by the decoder's pull or not at
-all (each test checks that no lease expired)."""
 BUDGET_S = 25.0
 """The prefill worker's shutdown budget: ample for a pull that takes a second or two."""
 NEVER_PULLED_BUDGET_S = 8.0
 NEVER_PULLED_RESERVE_S = 2.0
 """Budget and cleanup reserve of the prefill worker whose decoder never pulls: its drain
 gets the 6 s between them."""
-LEASE_EXPIRED = "Releasing expired KV blocks"
-"""What vLLM's NIXL worker logs when a lease frees held KV (``nixl/base_worker.py``)."""
 REQUESTS = 3
-DECODE_TOKENS = 12
 HOLD_S = 1.0
 """How long the decode side keeps waiting once the drain is seen waiting on the KV."""
 WAIT_S = 120.0
 """Bound of every wait on a worker (a hang fails the test instead of stalling it)."""
-START_S = 300.0
-LEFTOVER_GRACE_S = 15.0
 POLL_S = 0.05
-KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-NIXL_CPU_SITE = Path(__file__).resolve().parent / "nixl_cpu"
-"""Put first on the workers' PYTHONPATH: NIXL agents without their busy-polling progress
-thread (see its ``sitecustomize.py``; two such threads take both cores of this machine)."""
-NO_CPU_BINDING = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-"""vLLM's CPU backend binds each engine's OpenMP threads, the model worker's main thread
-among them, as if the engine had the machine to itself (``auto``: core ids ``[0, 1]``
-here, the main thread on CPU 0), so two engines put both main threads, which step the
-engine and make every NIXL call, on one core (``taskset -pc``; the NIXL connector's own
-pin, to CPU 1, is undone in ``nixl_cpu/sitecustomize.py``, which says what that sharing
-did to the pulls). ``nobind`` leaves the placement to the kernel."""
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-@contextlib.contextmanager
-def environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for what starts inside, then restore them."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-@contextlib.contextmanager
-def nixl_worker(model: Path, role: str, *serve_args: str) -> Iterator[Worker]:
-    """``quiesce serve --engine vllm --role ROLE`` with a NixlConnector and a side channel
-    of its own; on the way out, whatever is left of its processes is killed."""
-    from tests.integration.vllm.tiny_model import engine_kwargs
-
-    kwargs = engine_kwargs()
-    kv_config = {"kv_connector": "NixlConnector", "kv_role": KV_ROLES[role],
-                 "kv_connector_extra_config": {"kv_lease_duration": KV_LEASE_S}}
-    engine = ["--engine", "vllm", "--model", str(model), "--role", role,
-              "--max-model-len", str(kwargs["max_model_len"]), "--dtype", kwargs["dtype"],
-              "--kv-transfer-config", json.dumps(kv_config)]
-    if "gpu_memory_utilization" in kwargs:
-        engine += ["--gpu-memory-utilization", str(kwargs["gpu_memory_utilization"])]
-    env = {**NO_CPU_BINDING, "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
-           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_loopback_port()),
-           "PYTHONPATH": os.pathsep.join(
-               p for p in (str(NIXL_CPU_SITE), os.environ.get("PYTHONPATH", "")) if p)}
-    with contextlib.ExitStack() as stack:
-        with environ(env):  # the worker process (and its engine's) inherits it at start
-            worker = stack.enter_context(start_worker(
-                "--router-grace", "0.2", *serve_args, engine=tuple(engine),
-                startup_timeout=START_S))
-        try:
-            yield worker
-        finally:
-            reap_group(worker)
-
-
-def reap_group(worker: Worker) -> None:
-    """Whatever is left of a worker's processes goes: at once while its main process
-    still runs (a failed test), else after a grace for the ones that end by themselves
-    (multiprocessing's resource tracker unlinks the engine's shared memory as it ends)."""
-    group = worker.process.pid
-    if worker.process.poll() is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(group, signal.SIGKILL)
-        worker.process.wait(timeout=30)
-    deadline = time.monotonic() + LEFTOVER_GRACE_S
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(group, 0)
-        except (ProcessLookupError, PermissionError):
-            return  # the group is empty
-        time.sleep(POLL_S)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(group, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -168,36 +87,6 @@ def decode_worker(tiny_model: Path) -> Iterator[Worker]:
         yield worker
         worker.signal(signal.SIGTERM)
         worker.finish(BUDGET_S + 30)
-
-
-def deliver(worker: Worker, how: str, sig: signal.Signals) -> list[int]:
-    """Send ``sig`` the way an operator's tooling does; returns the pids signalled."""
-    from quiesce.signal_guard import descendants
-
-    pid = worker.process.pid
-    if how == "main":  # the kubelet
-        os.kill(pid, sig)
-        return [pid]
-    if how == "group":  # a terminal's Ctrl-C, dumb-init, tini -g
-        members = [p for p in [pid, *descendants(pid)] if os.getpgid(p) == pid]
-        os.killpg(pid, sig)
-        return members
-    assert how == "every", how  # systemd KillMode=control-group, pkill
-    every = [pid, *descendants(pid)]
-    for target in every:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(target, sig)
-    return every
-
-
-def prompt() -> str:
-    """A fresh prompt per request, so that the decoder's own prefix cache never hits."""
-    words = " ".join(f"w{n}" for n in uuid.uuid4().bytes[:12])
-    return f"hello world the quick brown fox {words} jumps over the lazy dog"
-
-
-def completion() -> dict[str, Any]:
-    return {"prompt": prompt(), "max_tokens": DECODE_TOKENS, "ignore_eos": True}
 
 
 def held(status: dict[str, Any]) -> Any:
@@ -280,17 +169,18 @@ def stage(report: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 DELIVERIES = [
-    pytest.param("main", signal.SIGTERM, id="sigterm-main-process"),
-    pytest.param("group", signal.SIGTERM, id="sigterm-process-group"),
-    pytest.param("every", signal.SIGTERM, id="sigterm-every-process"),
-    pytest.param("group", signal.SIGINT, id="sigint-process-group"),
+    pytest.param("vllm", "group", id="vllm-serve-sigterm-process-group"),
+    pytest.param("vllm", "every", id="vllm-serve-sigterm-every-process"),
+    pytest.param("quiesce", "int", id="quiesce-serve-sigint-process-group"),
 ]
+"""(face of the prefill worker, delivery of :data:`.serve_process.DELIVERIES`)."""
 
 
-@pytest.mark.parametrize(("how", "sig"), DELIVERIES)
+@pytest.mark.parametrize(("face", "how"), DELIVERIES)
 async def test_prefill_worker_leaves_only_after_the_decoder_pulled_its_kv(
-        tiny_model: Path, decode_worker: Worker, how: str, sig: signal.Signals) -> None:
-    with nixl_worker(tiny_model, "prefill", "--budget", str(BUDGET_S)) as prefill:
+        tiny_model: Path, decode_worker: Worker, face: str, how: str) -> None:
+    sig = signal.SIGINT if how == "int" else signal.SIGTERM
+    with nixl_worker(tiny_model, "prefill", "--budget", str(BUDGET_S), face=face) as prefill:
         proxy = DisaggProxy(prefill.url, decode_worker.url)
         release = asyncio.Event()  # the decode side is slow to pull: it waits for this
         tasks = [asyncio.create_task(proxy.complete(completion(), hold=release))
@@ -306,7 +196,7 @@ async def test_prefill_worker_leaves_only_after_the_decoder_pulled_its_kv(
             assert before["state"] == "serving", before
             assert before["inflight_requests"] == 0, before
 
-            signalled = deliver(prefill, how, sig)
+            signalled = deliver(prefill.process.pid, how)
             assert len(signalled) >= (1 if how == "main" else 2), signalled  # engine too
             draining = await watch.until(
                 lambda s: (s["state"] == "draining" and (s.get("drain") or {}).get("stage")
@@ -363,14 +253,14 @@ async def test_prefill_worker_leaves_only_after_the_decoder_pulled_its_kv(
 async def test_prefill_worker_whose_decoder_never_pulls_times_out_never_drained(
         tiny_model: Path, decode_worker: Worker) -> None:
     with nixl_worker(tiny_model, "prefill", "--budget", str(NEVER_PULLED_BUDGET_S),
-                     "--reserve", str(NEVER_PULLED_RESERVE_S)) as prefill:
+                     "--reserve", str(NEVER_PULLED_RESERVE_S), face="quiesce") as prefill:
         proxy = DisaggProxy(prefill.url, decode_worker.url)
         kv_params = await proxy.prefill(completion())  # and the decoder never asks
         assert kv_params["remote_port"], kv_params
         watch = StatusWatch(prefill)
         try:
             await watch.until(lambda s: held(s) == 1, "the KV send held before the signal")
-            deliver(prefill, "main", signal.SIGTERM)
+            deliver(prefill.process.pid, "main")
             code, report = await asyncio.to_thread(prefill.finish,
                                                    NEVER_PULLED_BUDGET_S + 30)
         finally:

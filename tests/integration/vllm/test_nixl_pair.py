@@ -19,10 +19,9 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import os
 import socket
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from quiesce.budget import Deadline
 from quiesce.drain import DrainConfig, wait_quiescent
 from quiesce.lifecycle import EventKind, Lifecycle, LifecycleEvent, State
 from tests.integration.vllm.conftest import SKIP_REASON
+from tests.integration.vllm.nixl_workers import environ
 
 vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
 
@@ -72,21 +72,11 @@ def free_loopback_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in sockets]
 
 
-@contextlib.contextmanager
-def side_channel(port: int) -> Iterator[None]:
+def side_channel(port: int) -> contextlib.AbstractContextManager[None]:
     """Set the NIXL side channel for the engine started inside (its EngineCore is spawned
     with this environment and reads it there), then restore the previous values."""
-    values = {"VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environ({"VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+                    "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)})
 
 
 def start_engine(model: Path, kv_role: str, port: int) -> Any:

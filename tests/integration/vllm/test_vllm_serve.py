@@ -13,13 +13,14 @@ is read to its end, every event: a 200 with an error event inside is a lost requ
   ``drained`` and the exit code is not 0;
 - a bad quiesce setting: vLLM refuses to start, naming it, before the engine loads.
 
+The middleware's own refusal (no claim in its process) is tests/unit/test_vllm_serve_face.py.
+
 The NIXL prefill/decode pair of two ``vllm serve`` is test_vllm_serve_disagg.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -34,7 +35,6 @@ from tests.integration.vllm.serve_process import (
     DELIVERIES,
     deliver,
     engine_core_pids,
-    exit_events,
     paced,
     serve_command,
     serve_env,
@@ -165,18 +165,3 @@ def test_a_bad_setting_refuses_the_start_naming_it(tiny_model: Path) -> None:
     assert done.returncode == 2, done.stderr[-2000:]
     assert "quiesce refuses to start: --reserve" in done.stderr
     assert "Starting vLLM" not in done.stdout + done.stderr  # before the engine
-
-
-def test_the_middleware_without_the_plugins_claim_refuses_to_serve(tiny_model: Path,
-                                                                    tmp_path: Path) -> None:
-    """Named only in a --config file, the plugin cannot see the middleware before the
-    engine starts: the middleware refuses to serve (lifespan startup failed), and the
-    process exits with uvicorn's startup-failure code, 3, having served nothing."""
-    config = tmp_path / "serve.yaml"
-    config.write_text(json.dumps({"middleware": ["quiesce.serve.vllm_serve.QuiesceMiddleware"]}))
-    command = [*serve_command(tiny_model, 0, middleware=False), "--config", str(config)]
-    done = subprocess.run(command, env=serve_env(""), text=True, capture_output=True,
-                          timeout=300, check=False)
-    assert done.returncode == 3, (done.stdout + done.stderr)[-3000:]
-    assert "quiesce refuses to start: --middleware" in done.stderr
-    assert not exit_events(done.stdout.splitlines())
