@@ -8,24 +8,31 @@ or re-encoded), for a server quiesce does not own, such as vLLM's OpenAI server
   lifecycle serves, else 503 with the state: a readiness probe takes the pod out of the
   Service's endpoints as soon as a drain starts. The engine's own ``/health`` is left
   as it is (it says whether the engine is alive, not whether to send it work).
-- Every ``POST`` but those in :data:`UNGATED` (control routes that start no generation:
-  tokenize, LoRA loading, profiling, sleep...) and every WebSocket is admitted through
-  the :class:`~quiesce.admission.AdmissionGate`. A closed gate answers 503 with a typed,
+- Every ``POST`` but the control routes of :func:`ungated` (tokenize, cancels and aborts,
+  LoRA loading, weight updates, profiling, sleep, pause...: they start no generation, and
+  a cancel shortens a drain) and every WebSocket is admitted through the
+  :class:`~quiesce.admission.AdmissionGate`. A closed gate answers 503 with a typed,
   retryable error in the OpenAI shape (``{"error": {"message", "type":
   "worker_draining", "param", "code": 503, "retryable": true}}``), ``Retry-After: 1`` and
   ``Connection: close`` (the client's next attempt opens a new connection, which a
-  balancer can send elsewhere); a WebSocket is closed with code 1013 (try again later).
-  Nothing of the request reaches the engine.
+  balancer can send elsewhere); a WebSocket is accepted and closed at once with code 1013
+  (try again later). Nothing of the request reaches the engine. Paths are matched
+  without the server's ``root_path``.
 - An admitted request's bytes pass through untouched: its answer is byte for byte what
   the server sends. Each body chunk is only searched (``bytes.find``) for the two marks
   of a request the engine ended (:func:`ended_by_engine`).
 
 How an admitted request ended (:class:`~quiesce.admission.Outcome`), read from what the
-server sent, failing closed: the client disconnected before the last byte:
-``client_gone``; a 5xx, an exception out of the app, a response never finished, or a
-body with an error event (``"error":`` at the top of a JSON body or of an SSE ``data:``
-event) or ``"finish_reason":"abort"``: ``lost`` (a 200 stream with an error event inside
-is a lost request); a 4xx: ``rejected`` (its own bad input); otherwise ``completed``.
+server sent, failing closed: a 5xx, an exception out of the app, or a success whose body
+says the engine ended it (:func:`ended_by_engine`: ``"error"`` at the top of a JSON body
+or an SSE ``data:`` event, ``"finish_reason":"abort"``, a Responses API ``"status":
+"cancelled"`` or ``"failed"``): ``lost`` (a 200 stream with an error event inside is a
+lost request); the client disconnected before the answer was complete (vLLM then aborts
+the request and may still send a short answer nobody reads): ``client_gone``; a 4xx:
+``rejected`` (its own bad input, whatever its error body says); a response never
+finished: ``lost``; otherwise ``completed``. A WebSocket session counts ``completed``
+when the app returns and ``lost`` on an exception (its close codes are not read), and
+holds the drain while it stays open.
 """
 
 from __future__ import annotations
@@ -51,14 +58,19 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 READY_PATH = "/quiesce/ready"
 UNGATED = frozenset({
     "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+    "/abort_requests", "/inference/v1/abort_requests", "/ping",
     "/start_profile", "/stop_profile", "/reset_prefix_cache", "/reset_mm_cache",
-    "/sleep", "/wake_up", "/pause", "/resume", "/scale_elastic_ep", "/is_scaling_elastic_ep",
-    "/collective_rpc", "/reset_encoder_cache",
+    "/reset_encoder_cache", "/release_kv_cache_memory", "/sleep", "/wake_up", "/pause",
+    "/resume", "/scale_elastic_ep", "/is_scaling_elastic_ep", "/collective_rpc",
+    "/update_weights", "/update_weight_version", "/start_weight_update",
+    "/start_draft_weight_update", "/finish_weight_update", "/init_weight_transfer_engine",
+    "/shutdown_weight_transfer_engine", "/weight_checker",
 })
-"""``POST`` routes of vLLM's server that start no generation: neither gated nor counted."""
+"""``POST`` routes of vLLM 0.32's server that start no generation: neither gated nor
+counted (also ``/v1/responses/{id}/cancel``, :func:`ungated`)."""
 WEBSOCKET_TRY_AGAIN_LATER = 1013
 _ERROR_MARK = b'"error"'
-_ABORT_MARK = b'"finish_reason":"abort"'
+_ENDED_MARKS = (b'"finish_reason":"abort"', b'"status":"cancelled"', b'"status":"failed"')
 
 
 def draining_body(message: str) -> bytes:
@@ -67,11 +79,17 @@ def draining_body(message: str) -> bytes:
                                  "param": None, "code": 503, "retryable": True}}).encode()
 
 
+def ungated(path: str) -> bool:
+    """Whether a ``POST`` to ``path`` (without the root path) starts no generation."""
+    return path in UNGATED or (path.startswith("/v1/responses/") and path.endswith("/cancel"))
+
+
 def ended_by_engine(chunk: bytes) -> bool:
-    """Whether a body chunk says the engine ended the request: an error object at the top
-    of a JSON body or SSE ``data:`` event, or ``"finish_reason":"abort"``. Cheap on the
-    common path (two ``bytes.find`` calls); a chunk with a mark is parsed to be sure."""
-    if _ABORT_MARK in chunk:
+    """Whether a chunk of a successful answer says the engine ended the request: an error
+    object at the top of a JSON body or SSE ``data:`` event, ``"finish_reason":"abort"``,
+    or a Responses API object ``"cancelled"`` or ``"failed"``. Cheap on the common path (a
+    few ``bytes.find`` calls); a chunk with an error mark is parsed to be sure."""
+    if any(mark in chunk for mark in _ENDED_MARKS):
         return True
     if _ERROR_MARK not in chunk:
         return False
@@ -98,13 +116,14 @@ class _Response:
         self.disconnected = False
 
     def outcome(self) -> Outcome:
-        if self.finished:
-            if (self.status is not None and self.status >= 500) or self.ended_by_engine:
-                return Outcome.LOST
-            if self.status is not None and self.status >= 400:
-                return Outcome.REJECTED
-            return Outcome.COMPLETED
-        return Outcome.CLIENT_GONE if self.disconnected else Outcome.LOST
+        status = self.status if self.status is not None else 0
+        if status >= 500 or (status < 400 and self.ended_by_engine):
+            return Outcome.LOST
+        if self.disconnected:
+            return Outcome.CLIENT_GONE
+        if not self.finished:
+            return Outcome.LOST
+        return Outcome.REJECTED if status >= 400 else Outcome.COMPLETED
 
 
 class AdmissionMiddleware:
@@ -122,11 +141,11 @@ class AdmissionMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            method, path = scope["method"], scope["path"]
+            method, path = scope["method"], _route(scope)
             if path == READY_PATH and method in ("GET", "HEAD"):
                 await self._ready(send)
                 return
-            if method != "POST" or path in UNGATED:
+            if method != "POST" or ungated(path):
                 await self.app(scope, receive, send)
                 return
             await self._admitted_http(scope, receive, send)
@@ -173,7 +192,8 @@ class AdmissionMiddleware:
                 response.status = message["status"]
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
-                if body and not response.ended_by_engine and ended_by_engine(body):
+                if body and not response.ended_by_engine and (response.status or 0) < 400 \
+                        and ended_by_engine(body):
                     response.ended_by_engine = True
                 await send(message)
                 if not message.get("more_body", False):
@@ -195,7 +215,10 @@ class AdmissionMiddleware:
         except WorkerDraining:
             message = await receive()  # websocket.connect
             if message["type"] == "websocket.connect":
-                await send({"type": "websocket.close", "code": WEBSOCKET_TRY_AGAIN_LATER})
+                # closed before accept, uvicorn answers HTTP 403: accept, then say why
+                await send({"type": "websocket.accept"})
+                await send({"type": "websocket.close", "code": WEBSOCKET_TRY_AGAIN_LATER,
+                            "reason": "worker draining: retry elsewhere"})
             return
         with admission:
             try:
@@ -204,6 +227,13 @@ class AdmissionMiddleware:
                 admission.end_by(exc)
                 raise
             admission.finish(Outcome.COMPLETED)
+
+
+def _route(scope: Scope) -> str:
+    """The request's path as the app routes it: without the server's ``root_path``."""
+    path: str = scope["path"]
+    root = scope.get("root_path") or ""
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 async def _refuse(send: Send, message: str) -> None:

@@ -30,7 +30,8 @@ The worker, in the order it starts:
 3. the admin API on its own port (drain, resume, status with outcomes and ETA, metrics;
    ``quiesce prestop`` works against it), the lifecycle's metrics in vLLM's ``/metrics``
    too, and the pod's deletion cost if asked (``--publish-deletion-cost``);
-4. admission opens; one JSON line ``{"event": "ready", ...}`` on stdout.
+4. admission opens; once vLLM's port listens, one JSON line ``{"event": "ready", ...}``
+   on stdout.
 
 On the first signal, :class:`~quiesce.shutdown.Shutdown` runs on one budget: readiness
 fails at once, the router grace passes, admission closes, admitted requests reach zero,
@@ -77,7 +78,7 @@ from quiesce.serve.asgi_admission import (
     Send,
 )
 from quiesce.serve.vllm_plugin import MIDDLEWARE, Claim, current_claim
-from quiesce.shutdown import Shutdown
+from quiesce.shutdown import EXIT_FORCED, Shutdown
 
 log = logging.getLogger("quiesce.serve.vllm_serve")
 
@@ -113,6 +114,7 @@ class VllmServeWorker:
         self.admission = admission
         self.admin: WorkerAdmin | None = None
         self.task: asyncio.Task[None] | None = None
+        self.announcing: asyncio.Task[None] | None = None
 
     @classmethod
     async def start(cls, app: Any, admission: AdmissionMiddleware) -> VllmServeWorker:
@@ -132,7 +134,13 @@ class VllmServeWorker:
             raise ConfigError("--middleware", "vLLM's app has no engine_client (a render-only "
                               "or gRPC server?): there is no engine to drain")
         worker = cls(claim, engine, getattr(state, "server", None), admission)
-        await worker._start()
+        try:
+            await worker._start()
+        except BaseException:
+            # nothing is served: the engine's processes act on signals again, and vLLM's
+            # unwinding stops them (its SIGTERM would otherwise wait out its timeout)
+            claim.signals.permit_shutdown()
+            raise
         return worker
 
     async def _start(self) -> None:
@@ -152,30 +160,48 @@ class VllmServeWorker:
         self.admission.lifecycle = self.lifecycle
         claim.admin_socket.listen(LISTEN_BACKLOG)
         await self.admin.server.start()
-        guards = claim.signals.report()
+        self.admin.publish()
+        self.task = asyncio.create_task(self._shut_down_when_signalled(), name="quiesce-shutdown")
+        self.announcing = asyncio.create_task(self._ready_once_listening(), name="quiesce-ready")
+
+    async def _ready_once_listening(self) -> None:
+        """The ready line, once vLLM's uvicorn listens (it does after the lifespan startup,
+        which this worker is part of)."""
+        backoff = 0.001
+        while self.http_server is not None and not self.http_server.started:
+            if self.shutdown.requested:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.05)
+        assert self.admin is not None
+        guards = self.claim.signals.report()
         log.log(logging.INFO if guards.protected else logging.WARNING,
                 "quiesce serves vLLM (role %s); signal guard: %s; admin API on port %d",
                 self.role.value, guards.summary(), self.admin.server.port)
         _emit({"event": "ready", "admin_port": self.admin.server.port, "pid": os.getpid(),
                "role": self.role.value, "signal_guard": guards.to_dict()})
-        self.admin.publish()
-        self.task = asyncio.create_task(self._shut_down_when_signalled(), name="quiesce-shutdown")
 
     async def _shut_down_when_signalled(self) -> None:
         await self.shutdown.wait_requested()
-        assert self.admin is not None
-        admin = self.admin
-        admin.leaving()
+        code = EXIT_FORCED  # whatever fails below, the process never exits 0 by vLLM's path
+        try:
+            assert self.admin is not None
+            admin = self.admin
+            admin.leaving()
 
-        async def close() -> None:
-            # vLLM's own server exits (what its handler does after the engine shutdown)
-            if self.http_server is not None:
-                self.http_server.should_exit = True
-            await admin.server.stop()
+            async def close() -> None:
+                # vLLM's own server exits (what its handler does after the engine shutdown)
+                if self.http_server is not None:
+                    self.http_server.should_exit = True
+                await admin.server.stop()
 
-        report = await self.shutdown.run(close=close)
-        _emit({"event": "exit", **report.to_dict()})
-        await end(report.exit_code)
+            report = await self.shutdown.run(close=close)
+            code = report.exit_code
+            _emit({"event": "exit", **report.to_dict()})
+        except Exception:
+            log.exception("quiesce's shutdown failed; exiting with code %d", code)
+        finally:
+            await end(code)
 
     async def server_stopping(self) -> None:
         """vLLM's HTTP server is stopping (lifespan shutdown). During quiesce's shutdown
@@ -187,6 +213,7 @@ class VllmServeWorker:
             return
         if self.task is not None:
             self.task.cancel()
+        self.claim.signals.permit_shutdown()  # vLLM's unwinding stops the engine next
         await self.lifecycle.stop()
         if self.admin is not None:
             self.admin.leaving()
@@ -200,15 +227,29 @@ class VllmServeWorker:
                "lost_requests": lost, "requests": requests.to_dict()})
 
 
+EXIT_WAIT_S = 2.0
+"""How long the exit waits for the default executor's threads (vLLM's engine shutdown ran
+there); one still running then (a shutdown stage that timed out) is left behind."""
+
+
 async def end(code: int) -> None:
     """End the process with ``code`` once the shutdown is over: the default executor's
-    idle threads first (vLLM's engine shutdown ran there), then
+    idle threads first (at most :data:`EXIT_WAIT_S`), then
     :func:`~quiesce.adapters.vllm.exit.end_process`; where that must not skip the
     interpreter's teardown, ``SystemExit`` out of the loop (vLLM's own unwinding runs,
-    its engine shutdown is a no-op by now) with the same code."""
+    its engine shutdown is a no-op by now) with the same code; where a thread still hangs,
+    ``os._exit`` with the same code after flushing (the budget is spent)."""
     from quiesce.adapters.vllm.exit import end_process  # noqa: PLC0415
 
-    await asyncio.get_running_loop().shutdown_default_executor()
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().shutdown_default_executor(),
+                               EXIT_WAIT_S)
+    except asyncio.TimeoutError:
+        log.warning("a thread of the engine's shutdown still runs after %.0fs: exiting "
+                    "without it", EXIT_WAIT_S)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
     end_process(code)
     raise SystemExit(code)
 
@@ -232,7 +273,7 @@ class QuiesceMiddleware:
             if message["type"] == "lifespan.startup.complete":
                 try:
                     self.worker = await VllmServeWorker.start(scope.get("app"), self.admission)
-                except ConfigError as exc:
+                except Exception as exc:  # ConfigError: a refusal; anything else: a failure
                     log.critical("quiesce refuses to serve: %s", exc)
                     print(f"vllm serve: quiesce refuses to start: {exc}", file=sys.stderr,
                           flush=True)

@@ -97,14 +97,37 @@ async def test_a_200_stream_with_an_error_event_is_lost() -> None:
     assert life.gate.outcomes().lost == 1 and life.gate.outcomes().completed == 0
 
 
-@pytest.mark.parametrize(("status", "outcome"), [(500, Outcome.LOST), (400, Outcome.REJECTED),
-                                                 (200, Outcome.COMPLETED)])
-async def test_the_status_decides_a_json_answer(status: int, outcome: Outcome) -> None:
+VLLM_400 = (b'{"error":{"message":"This model\'s maximum context length is 512 tokens",'
+            b'"type":"BadRequestError","param":null,"code":400}}')
+
+
+@pytest.mark.parametrize(("status", "body", "outcome"), [
+    (500, b'{"error": {"message": "engine dead", "code": 500}}', Outcome.LOST),
+    (400, VLLM_400, Outcome.REJECTED),  # its own bad input, whatever the error body says
+    (401, b'{"error": "Unauthorized"}', Outcome.REJECTED),
+    (200, b'{"id": "x", "choices": []}', Outcome.COMPLETED),
+    (200, b'{"id": "resp", "object": "response", "status":"cancelled"}', Outcome.LOST),
+])
+async def test_the_status_then_the_body_decide_a_json_answer(status: int, body: bytes,
+                                                            outcome: Outcome) -> None:
     life = await lifecycle()
-    middleware = AdmissionMiddleware(app_sending([b'{"id": "x"}'], status,
+    middleware = AdmissionMiddleware(app_sending([body], status,
                                                  content_type=b"application/json"), life)
     await call(middleware)
     assert getattr(life.gate.outcomes(), outcome.value) == 1
+
+
+async def test_a_client_gone_before_a_short_answer_is_client_gone() -> None:
+    """vLLM's non-streaming handlers abort a request whose client left and still answer
+    ``200 null``, which nobody reads: not a completed request."""
+    async def cancelled_then_null(scope: Scope, receive: Receive, send: Send) -> None:
+        assert (await receive())["type"] == "http.disconnect"
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"null"})
+
+    life = await lifecycle()
+    await call(AdmissionMiddleware(cancelled_then_null, life), disconnect=True)
+    assert life.gate.outcomes().client_gone == 1 and life.gate.outcomes().completed == 0
 
 
 async def test_an_exception_out_of_the_app_is_lost_and_raised() -> None:
@@ -154,14 +177,31 @@ async def test_before_the_worker_exists_gated_requests_are_refused() -> None:
     assert "starting" in json.loads(body_of(sent))["error"]["message"]
 
 
-@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("GET", "/health"),
-                                              ("POST", "/tokenize"), ("GET", "/metrics")])
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/tokenize"), ("GET", "/metrics"),
+    ("POST", "/abort_requests"), ("POST", "/v1/responses/resp_1/cancel")])
 async def test_reads_and_control_routes_are_not_gated(method: str, path: str) -> None:
     life = await lifecycle()
     life.gate.close()
     sent, _ = await call(AdmissionMiddleware(app_sending([b"ok"], content_type=b"text/plain"),
                                              life), method, path)
     assert sent[0]["status"] == 200 and life.gate.admitted_total == 0
+
+
+async def test_routes_are_matched_without_the_root_path() -> None:
+    life = await lifecycle()
+    sent: list[Message] = []
+
+    async def receive() -> Message:
+        return {"type": "http.request", "body": b""}
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    await AdmissionMiddleware(app_sending([]), life)(
+        {"type": "http", "method": "GET", "path": "/x/quiesce/ready", "root_path": "/x",
+         "headers": []}, receive, send)
+    assert sent[0]["status"] == 200 and json.loads(body_of(sent)) == {"status": "serving"}
 
 
 async def test_readiness_fails_as_soon_as_a_drain_starts() -> None:
@@ -190,7 +230,9 @@ async def test_a_websocket_is_refused_with_try_again_later_once_draining() -> No
 
     await AdmissionMiddleware(app_sending([]), life)({"type": "websocket", "path": "/v1/realtime",
                                                       "headers": []}, receive, send)
-    assert sent == [{"type": "websocket.close", "code": 1013}]
+    # closed before accept, uvicorn would answer HTTP 403: accepted, then closed with 1013
+    assert [m["type"] for m in sent] == ["websocket.accept", "websocket.close"]
+    assert sent[1]["code"] == 1013
 
 
 @pytest.mark.parametrize(("chunk", "ended"), [
@@ -198,17 +240,15 @@ async def test_a_websocket_is_refused_with_try_again_later_once_draining() -> No
     (b'{"error": {"message": "x"}}', True),
     (b'data: {"choices":[{"text":"\\"error\\""}]}\n\n', False),
     (b'data: {"choices":[{"finish_reason":"abort"}]}\n\n', True),
+    (b'event: response.failed\ndata: {"response":{"status":"failed"}}\n\n', True),
 ])
 def test_ended_by_engine_reads_only_top_level_errors_and_aborts(chunk: bytes, ended: bool) -> None:
     assert ended_by_engine(chunk) is ended
 
 
-def test_the_middleware_never_blocks_the_loop() -> None:
-    """The gate's bookkeeping is synchronous: a request admitted and ended in one task."""
-    async def main() -> int:
-        life = await lifecycle()
-        await asyncio.gather(*(call(AdmissionMiddleware(app_sending(STREAM), life))
-                               for _ in range(50)))
-        return life.gate.outcomes().completed
-
-    assert asyncio.run(main()) == 50
+async def test_concurrent_requests_are_each_counted_once() -> None:
+    life = await lifecycle()
+    await asyncio.gather(*(call(AdmissionMiddleware(app_sending(STREAM), life))
+                           for _ in range(50)))
+    assert life.gate.outcomes().completed == 50 and life.gate.admitted_total == 50
+    assert life.gate.inflight == 0

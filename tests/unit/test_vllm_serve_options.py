@@ -77,8 +77,8 @@ register()
 register()  # idempotent, as vLLM may load plugins again
 claim = current_claim()
 print(json.dumps(None if claim is None else {{
-    "owner": os.environ.get("QUIESCE_SIGNAL_OWNER", ""), "permitted": claim.signals.permitted,
-    "port": claim.admin_socket.getsockname()[1]}}))
+    "owner": os.environ.get("QUIESCE_SIGNAL_OWNER", ""), "pid": os.getpid(),
+    "permitted": claim.signals.permitted, "port": claim.admin_socket.getsockname()[1]}}))
 """
 
 
@@ -93,7 +93,7 @@ def test_the_plugin_claims_the_signals_permitted_and_binds_the_admin_port() -> N
     done = run_plugin("--admin-port 0")
     assert done.returncode == 0, done.stderr
     claim = json.loads(done.stdout)
-    assert claim["owner"].startswith(f"{claim['owner'].split(':')[0]}:")
+    assert claim["owner"].startswith(f"{claim['pid']}:")  # this process owns the signals
     assert claim["permitted"] is True and claim["port"] > 0
 
 
