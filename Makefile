@@ -23,11 +23,22 @@ DYNAMO_PYTEST := DYN_LOG=warn $(DYNAMO_BIN)/pytest
 # the releases (signal handlers, utility fan-out to DP engines, the probe and its board).
 VLLM_031_TESTS := tests/integration/vllm/test_vllm_signals.py \
 	tests/integration/vllm/test_vllm_dp.py tests/integration/vllm/test_vllm_probe.py
-# On 0.32 the four signal deliveries under streaming load run on `vllm serve` with
-# quiesce's middleware (test_vllm_serve.py: the same engine-side guard); those of
-# `quiesce serve` run on 0.31 (above), where the engine installs its handlers later.
-VLLM_032_DESELECT := --deselect \
-	tests/integration/vllm/test_vllm_signals.py::test_signal_under_streaming_load_loses_nothing
+# Each guarantee runs once per tier, to keep CI short. On 0.32 the signal deliveries under
+# streaming load and EngineCore killed mid-drain run on `vllm serve` with quiesce's
+# middleware (test_vllm_serve.py: the same engine-side guard and probe); `quiesce serve`'s
+# run on 0.31 (above), where the engine installs its handlers later: every process and
+# Ctrl-C there (SIGTERM to the main process: test_vllm_worker.py on 0.32; to the group:
+# vllm serve's on 0.32 and Dynamo's dynamo.vllm on 0.31).
+VLLM_032_DESELECT := \
+	--deselect tests/integration/vllm/test_vllm_signals.py::test_signal_under_streaming_load_loses_nothing \
+	--deselect tests/integration/vllm/test_vllm_signals.py::test_engine_killed_mid_drain_reports_every_lost_request
+VLLM_031_DESELECT := \
+	--deselect "tests/integration/vllm/test_vllm_signals.py::test_signal_under_streaming_load_loses_nothing[main]" \
+	--deselect "tests/integration/vllm/test_vllm_signals.py::test_signal_under_streaming_load_loses_nothing[group]"
+# Dynamo's dynamo.vllm: Ctrl-C to the group runs on vLLM's own server and quiesce serve
+# (above); SIGTERM to the group, to every process and the kubelet's sequence run here.
+DYNAMO_DESELECT := --deselect \
+	"tests/integration/dynamo/test_vllm_worker.py::test_quiesce_completes_every_stream_and_exits_drained[sigint-group]"
 # NVIDIA's aiperf load generator (the field-report replay) pins pydantic 2.14 and pandas:
 # its own environment, plus an offline tokenizer under .cache/aiperf-hf.
 AIPERF_VENV := .venv-aiperf
@@ -93,8 +104,9 @@ test-sglang: $(SGLANG_VENV)/.installed
 	$(SGLANG_PYTEST) tests/integration/sglang
 
 test-dynamo: $(DYNAMO_VENV)/.installed-dynamo
-	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo
-	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS)
+	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo \
+		$(DYNAMO_DESELECT)
+	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS) $(VLLM_031_DESELECT)
 
 test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
 		$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
@@ -102,8 +114,9 @@ test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VE
 		--ignore=tests/integration/sglang --ignore=tests/integration/dynamo
 	@# the engine tiers skip without their engine: make sure each one imports first
 	DYN_LOG=warn $(DYNAMO_BIN)/python -c 'import dynamo.runtime, dynamo.frontend, dynamo.vllm.main'
-	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo
-	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS)
+	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo \
+		$(DYNAMO_DESELECT)
+	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS) $(VLLM_031_DESELECT)
 	$(VLLM_BIN)/python -c 'import vllm'
 	$(VLLM_BIN)/pytest tests/integration/vllm $(VLLM_032_DESELECT)
 	$(SGLANG_BIN)/python -W ignore -c 'import sglang.srt.managers.scheduler'
