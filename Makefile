@@ -47,7 +47,7 @@ AIPERF_VENV := .venv-aiperf
 # reinstall; the list of source files is part of the install stamp.
 SOURCES := $(sort $(wildcard core/*.py core/*/*.py adapters/*.py adapters/*/*.py))
 
-.PHONY: all demo test lint typecheck unit integration test-vllm test-sglang test-dynamo etcd \
+.PHONY: all demo envs test lint typecheck unit integration test-vllm test-sglang test-dynamo etcd \
 	bench clean FORCE
 all: test
 
@@ -58,7 +58,7 @@ $(VENV)/.sources: FORCE
 $(VENV)/.installed: pyproject.toml $(VENV)/.sources
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "quiesce needs Python >= 3.10"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile \
 		--config-settings editable_mode=strict -e '.[dev]'
 	@touch $@
 
@@ -74,6 +74,17 @@ $(DYNAMO_VENV)/.installed-dynamo: ci/setup_dynamo.sh ci/setup_vllm_cpu.sh pyproj
 
 $(AIPERF_VENV)/.installed: ci/setup_aiperf.sh ci/aiperf_tokenizer.py
 	AIPERF_VENV=$(AIPERF_VENV) bash ci/setup_aiperf.sh
+
+# Every environment `make test` and `make bench` need. They are independent of each other:
+# `envs` builds them side by side (their downloads and unpacking overlap; ENV_JOBS at a
+# time, each line of output prefixed by its script), then the tests run one tier at a time.
+ENVS := etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
+	$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
+ENV_JOBS ?= 4
+# Each tier's slowest tests, listed at its end: where CI's time goes.
+SLOWEST := --durations=8 --durations-min=20
+envs:
+	@$(MAKE) --no-print-directory --jobs=$(ENV_JOBS) --output-sync=line $(ENVS)
 
 # A real etcd server (Debian's etcd-server) for the etcd discovery tests, which start
 # their own on loopback with a temporary data directory.
@@ -108,22 +119,20 @@ test-dynamo: $(DYNAMO_VENV)/.installed-dynamo
 		$(DYNAMO_DESELECT)
 	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS) $(VLLM_031_DESELECT)
 
-test: lint typecheck etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
-		$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
-	QUIESCE_REQUIRE_REAL_PARTS=1 $(BIN)/pytest --ignore=tests/integration/vllm \
+test: envs lint typecheck
+	QUIESCE_REQUIRE_REAL_PARTS=1 $(BIN)/pytest $(SLOWEST) --ignore=tests/integration/vllm \
 		--ignore=tests/integration/sglang --ignore=tests/integration/dynamo
 	@# the engine tiers skip without their engine: make sure each one imports first
 	DYN_LOG=warn $(DYNAMO_BIN)/python -c 'import dynamo.runtime, dynamo.frontend, dynamo.vllm.main'
-	$(DYNAMO_PYTEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo \
+	$(DYNAMO_PYTEST) $(SLOWEST) tests/integration/test_dynamo_discovery.py tests/integration/dynamo \
 		$(DYNAMO_DESELECT)
-	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS) $(VLLM_031_DESELECT)
+	$(DYNAMO_BIN)/pytest $(SLOWEST) $(VLLM_031_TESTS) $(VLLM_031_DESELECT)
 	$(VLLM_BIN)/python -c 'import vllm'
-	$(VLLM_BIN)/pytest tests/integration/vllm $(VLLM_032_DESELECT)
+	$(VLLM_BIN)/pytest $(SLOWEST) tests/integration/vllm $(VLLM_032_DESELECT)
 	$(SGLANG_BIN)/python -W ignore -c 'import sglang.srt.managers.scheduler'
-	$(SGLANG_PYTEST) tests/integration/sglang
+	$(SGLANG_PYTEST) $(SLOWEST) tests/integration/sglang
 
-bench: etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
-		$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
+bench: envs
 	$(BIN)/python -m bench
 	$(VLLM_BIN)/python -m bench.vllm && $(VLLM_BIN)/python -m bench.shutdown && $(VLLM_BIN)/python -m bench.eta
 	$(VLLM_BIN)/python -m bench.vllm_serve

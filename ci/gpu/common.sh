@@ -17,7 +17,8 @@
 #   make_venv VENV [PYTHON]     create the virtual environment VENV with PYTHON (default
 #                               $PYTHON or python3) unless VENV/bin/python exists
 #   run_suite NAME TIMEOUT_S PYTHON [pytest args...]
-#                               run `PYTHON -m pytest -ra -v --junitxml=$RESULTS_DIR/NAME.xml
+#                               run `PYTHON -m pytest -ra -v -o junit_family=xunit1
+#                               --junitxml=$RESULTS_DIR/NAME.xml (xunit1 keeps record_property)
 #                               [args]` under `timeout TIMEOUT_S`, write $RESULTS_DIR/NAME.json
 #                               (ci/gpu/summarize.py) and return pytest's exit code
 #                               (124 when it timed out). Call it as
@@ -78,7 +79,7 @@ run_suite() {
     echo "run_suite $name: timeout ${timeout_s}s: $python -m pytest $*"
     start=$(_quiesce_now)
     timeout --signal=INT --kill-after=60 "$timeout_s" \
-        "$python" -m pytest -ra -v --junitxml="$xml" "$@" || rc=$?
+        "$python" -m pytest -ra -v -o junit_family=xunit1 --junitxml="$xml" "$@" || rc=$?
     end=$(_quiesce_now)
     if [[ $rc -eq 124 || $rc -eq 137 ]]; then
         timed_out=(--timed-out)

@@ -10,6 +10,8 @@ probe with a fake NVML; here the real driver answers:
   properties (``ci/gpu/results/nvml.xml``): the numbers behind the default thresholds;
 - a device running matmuls and host-to-device copies reads BUSY with SM (and, in at
   least one of a few reads, PCIe) above the thresholds;
+- the drain's wait (``wait_quiescent``) with an engine side that already says quiet ends
+  only after a GPU load has ended: the GPU alone holds the drain;
 - a device index NVML does not have is UNKNOWN with the reason, on the real driver.
 """
 
@@ -28,6 +30,8 @@ import pytest
 
 from quiesce import PendingWork, Probe, Role, Verdict
 from quiesce.adapters.nvml import GPU_ACTIVE_QUEUE, SOURCE, GpuQuietProbe, GpuQuietThresholds
+from quiesce.budget import Deadline
+from quiesce.drain import DrainConfig, wait_quiescent
 from tests.gpu.conftest import GpuDevice, StartEngine
 
 REQUIRES = ("pynvml",)
@@ -164,6 +168,35 @@ async def test_a_busy_h200_reads_busy(gpu: GpuDevice, engine_process: StartEngin
     assert all("SM " in str(w.details[f"{SOURCE}.busy"]) for w in works)
     assert any("PCIe " in str(w.details[f"{SOURCE}.busy"]) for w in works), \
         [w.details for w in works]
+
+
+async def test_a_drain_waits_until_the_gpu_load_has_ended(
+        gpu: GpuDevice, engine_process: StartEngine, tmp_path: Path,
+        record_property: RecordProperty) -> None:
+    """The engine side says quiet from the start; only the GPU's activity holds the drain."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("the GPU load needs torch with CUDA, not installed here")
+    script = tmp_path / "load.py"
+    script.write_text(LOAD)
+    load = engine_process("gpu-load", [sys.executable, str(script), "8"],
+                          env={"CUDA_VISIBLE_DEVICES": gpu.uuid})
+    load.wait_until(lambda: "ready" in load.tail(), 120, "the load's ready line")
+    await asyncio.sleep(1.0)  # let NVML's utilisation sample period see the kernels
+    probe = GpuQuietProbe(IdleEngine(), (gpu.index,),
+                          thresholds=GpuQuietThresholds(nvlink_mb_s=None))
+    busy: list[PendingWork] = []
+    config = DrainConfig(router_grace_s=0, poll_base_s=0.05, poll_cap_s=0.5, probe_timeout_s=5)
+    try:
+        report, last = await wait_quiescent(
+            probe, Deadline.after(120), config,
+            on_progress=lambda w: busy.append(w) if w.verdict is Verdict.BUSY else None)
+    finally:
+        await probe.aclose()
+    record_property("drain.busy_reads", len(busy))
+    record_property("drain.waited_s", round(report.elapsed_s, 2))
+    assert last.verdict is Verdict.QUIESCENT, (report, last.summary())
+    assert busy, "the drain never saw the GPU load"
+    assert not load.alive(), "the drain ended while the GPU load was still running"
 
 
 async def test_a_device_index_nvml_does_not_have_is_unknown_on_the_real_driver(
