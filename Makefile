@@ -129,7 +129,7 @@ test: envs lint typecheck
 	$(DYNAMO_BIN)/pytest $(SLOWEST) $(VLLM_031_TESTS) $(VLLM_031_DESELECT)
 	$(VLLM_BIN)/python -c 'import vllm'
 	$(VLLM_BIN)/pytest $(SLOWEST) tests/integration/vllm $(VLLM_032_DESELECT)
-	$(SGLANG_BIN)/python -W ignore -c 'import sglang.srt.managers.scheduler'
+	$(SGLANG_BIN)/python -W ignore -c 'import sglang.srt.managers.scheduler, sglang.srt.entrypoints.http_server'
 	$(SGLANG_PYTEST) $(SLOWEST) tests/integration/sglang
 
 bench: envs

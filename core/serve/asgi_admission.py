@@ -1,16 +1,18 @@
 """Admission for an engine's own ASGI server: every request through the gate, unchanged.
 
 :class:`AdmissionMiddleware` is pure ASGI (no ``BaseHTTPMiddleware``: nothing is buffered
-or re-encoded), for a server quiesce does not own, such as vLLM's OpenAI server
-(:mod:`quiesce.serve.vllm_serve`). Per HTTP request:
+or re-encoded), for a server quiesce does not own: vLLM's OpenAI server
+(:mod:`quiesce.serve.vllm_serve`, :data:`VLLM_ROUTES`) or SGLang's
+(:mod:`quiesce.serve.sglang_serve`, :data:`SGLANG_ROUTES`). Per HTTP request:
 
 - ``GET`` :data:`READY_PATH` is answered here: 200 ``{"status": "serving"}`` while the
   lifecycle serves, else 503 with the state: a readiness probe takes the pod out of the
   Service's endpoints as soon as a drain starts. The engine's own ``/health`` is left
   as it is (it says whether the engine is alive, not whether to send it work).
-- Every ``POST`` but the control routes of :func:`ungated` (tokenize, cancels and aborts,
-  LoRA loading, weight updates, profiling, sleep, pause...: they start no generation, and
-  a cancel shortens a drain) and every WebSocket is admitted through the
+- Every ``POST`` but the server's control routes (:class:`ServerRoutes`: tokenize, cancels
+  and aborts, LoRA loading, weight updates, profiling, sleep, pause...: they start no
+  generation, and a cancel shortens a drain; a route not listed is gated: fail closed)
+  and every WebSocket is admitted through the
   :class:`~quiesce.admission.AdmissionGate`. A closed gate answers 503 with a typed,
   retryable error in the OpenAI shape (``{"error": {"message", "type":
   "worker_draining", "param", "code": 503, "retryable": true}}``), ``Retry-After: 1`` and
@@ -19,14 +21,15 @@ or re-encoded), for a server quiesce does not own, such as vLLM's OpenAI server
   (try again later). Nothing of the request reaches the engine. Paths are matched
   without the server's ``root_path``.
 - An admitted request's bytes pass through untouched: its answer is byte for byte what
-  the server sends. Each body chunk is only searched (``bytes.find``) for the two marks
-  of a request the engine ended (:func:`ended_by_engine`).
+  the server sends. Each body chunk is only searched (``bytes.find``) for the marks of a
+  request the engine ended (:func:`ended_by_engine`).
 
 How an admitted request ended (:class:`~quiesce.admission.Outcome`), read from what the
 server sent, failing closed: a 5xx, an exception out of the app, or a success whose body
 says the engine ended it (:func:`ended_by_engine`: ``"error"`` at the top of a JSON body
-or an SSE ``data:`` event, ``"finish_reason":"abort"``, a Responses API ``"status":
-"cancelled"`` or ``"failed"``): ``lost`` (a 200 stream with an error event inside is a
+or an SSE ``data:`` event, or one of the server's marks: ``"finish_reason":"abort"``, a
+Responses API ``"status": "cancelled"`` or ``"failed"``; SGLang's native ``"finish_reason":
+{"type":"abort"}``): ``lost`` (a 200 stream with an error event inside is a
 lost request); the client disconnected before the answer was complete (vLLM then aborts
 the request and may still send a short answer nobody reads): ``client_gone``; a 4xx:
 ``rejected`` (its own bad input, whatever its error body says); a response never
@@ -37,6 +40,7 @@ holds the drain while it stays open.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -56,7 +60,33 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 READY_PATH = "/quiesce/ready"
-UNGATED = frozenset({
+WEBSOCKET_TRY_AGAIN_LATER = 1013
+_ERROR_MARK = b'"error"'
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerRoutes:
+    """An engine server's routes as admission sees them."""
+
+    ungated: frozenset[str]
+    """``POST`` routes that start no generation: neither gated nor counted."""
+    ended_marks: tuple[bytes, ...]
+    """Byte strings that, in a successful answer, say the engine ended the request (each
+    is a JSON key and value as the server encodes them: compact, no spaces)."""
+    ungated_prefix_suffix: tuple[str, str] | None = None
+    """Also ungated: paths with this prefix and suffix (a cancel route with an id)."""
+
+    def is_ungated(self, path: str) -> bool:
+        """Whether a ``POST`` to ``path`` (without the root path) starts no generation."""
+        if path in self.ungated:
+            return True
+        if self.ungated_prefix_suffix is None:
+            return False
+        prefix, suffix = self.ungated_prefix_suffix
+        return path.startswith(prefix) and path.endswith(suffix)
+
+
+_VLLM_UNGATED = frozenset({
     "/tokenize", "/detokenize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
     "/abort_requests", "/inference/v1/abort_requests", "/ping",
     "/start_profile", "/stop_profile", "/reset_prefix_cache", "/reset_mm_cache",
@@ -66,11 +96,31 @@ UNGATED = frozenset({
     "/start_draft_weight_update", "/finish_weight_update", "/init_weight_transfer_engine",
     "/shutdown_weight_transfer_engine", "/weight_checker",
 })
-"""``POST`` routes of vLLM 0.32's server that start no generation: neither gated nor
-counted (also ``/v1/responses/{id}/cancel``, :func:`ungated`)."""
-WEBSOCKET_TRY_AGAIN_LATER = 1013
-_ERROR_MARK = b'"error"'
-_ENDED_MARKS = (b'"finish_reason":"abort"', b'"status":"cancelled"', b'"status":"failed"')
+_RESPONSES_ENDED = (b'"finish_reason":"abort"', b'"status":"cancelled"', b'"status":"failed"')
+VLLM_ROUTES = ServerRoutes(_VLLM_UNGATED, _RESPONSES_ENDED, ("/v1/responses/", "/cancel"))
+"""vLLM 0.32's server: its ``POST`` routes that start no generation (and
+``/v1/responses/{id}/cancel``); an OpenAI ``"finish_reason":"abort"``, a Responses API
+object ``"cancelled"`` or ``"failed"``."""
+SGLANG_ROUTES = ServerRoutes(frozenset({
+    "/set_internal_state", "/flush_cache", "/add_external_corpus", "/remove_external_corpus",
+    "/hicache/storage-backend/clear", "/start_profile", "/stop_profile", "/set_trace_level",
+    "/freeze_gc", "/start_expert_distribution_record", "/stop_expert_distribution_record",
+    "/dump_expert_distribution_record", "/update_weights_from_disk",
+    "/init_weights_send_group_for_remote_instance", "/send_weights_to_remote_instance",
+    "/init_weights_update_group", "/destroy_weights_update_group",
+    "/update_weights_from_tensor", "/begin_weight_update", "/end_weight_update",
+    "/update_weights_from_distributed", "/update_weights_from_ipc", "/update_weight_version",
+    "/get_weights_by_name", "/release_memory_occupation", "/resume_memory_occupation",
+    "/weights_checker", "/slow_down", "/pd_role_switch", "/load_lora_adapter",
+    "/load_lora_adapter_from_tensors", "/unload_lora_adapter", "/open_session",
+    "/close_session", "/configure_logging", "/abort_request", "/parse_function_call",
+    "/separate_reasoning", "/pause_generation", "/continue_generation", "/tokenize",
+    "/detokenize", "/v1/tokenize", "/v1/detokenize", "/v1/messages/count_tokens",
+    "/api/show",
+}), (*_RESPONSES_ENDED, b'"type":"abort"'), ("/v1/responses/", "/cancel"))
+"""SGLang 0.5.23's server: its ``POST`` routes that start no generation (control, weights,
+sessions, profiling, parsing, token counting; ``/v1/responses/{id}/cancel``); the OpenAI
+and Responses marks, and its native ``"finish_reason":{"type":"abort",...}``."""
 
 
 def draining_body(message: str) -> bytes:
@@ -79,17 +129,12 @@ def draining_body(message: str) -> bytes:
                                  "param": None, "code": 503, "retryable": True}}).encode()
 
 
-def ungated(path: str) -> bool:
-    """Whether a ``POST`` to ``path`` (without the root path) starts no generation."""
-    return path in UNGATED or (path.startswith("/v1/responses/") and path.endswith("/cancel"))
-
-
-def ended_by_engine(chunk: bytes) -> bool:
+def ended_by_engine(chunk: bytes, marks: tuple[bytes, ...] = _RESPONSES_ENDED) -> bool:
     """Whether a chunk of a successful answer says the engine ended the request: an error
-    object at the top of a JSON body or SSE ``data:`` event, ``"finish_reason":"abort"``,
-    or a Responses API object ``"cancelled"`` or ``"failed"``. Cheap on the common path (a
-    few ``bytes.find`` calls); a chunk with an error mark is parsed to be sure."""
-    if any(mark in chunk for mark in _ENDED_MARKS):
+    object at the top of a JSON body or SSE ``data:`` event, or one of ``marks`` (the
+    server's: :attr:`ServerRoutes.ended_marks`). Cheap on the common path (a few
+    ``bytes.find`` calls); a chunk with an error mark is parsed to be sure."""
+    if any(mark in chunk for mark in marks):
         return True
     if _ERROR_MARK not in chunk:
         return False
@@ -127,16 +172,19 @@ class _Response:
 
 
 class AdmissionMiddleware:
-    """ASGI middleware: admission through ``lifecycle``'s gate (module docstring).
+    """ASGI middleware: admission through ``lifecycle``'s gate (module docstring), for a
+    server with ``routes``.
 
     ``lifecycle`` may be set after construction (the server builds its middleware before
     the worker exists): until then every gated request is refused as draining, and the
     readiness route answers 503 ``starting``.
     """
 
-    def __init__(self, app: ASGIApp, lifecycle: Lifecycle | None = None) -> None:
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle | None = None, *,
+                 routes: ServerRoutes = VLLM_ROUTES) -> None:
         self.app = app
         self.lifecycle = lifecycle
+        self.routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -145,7 +193,7 @@ class AdmissionMiddleware:
             if path == READY_PATH and method in ("GET", "HEAD"):
                 await self._ready(send)
                 return
-            if method != "POST" or ungated(path):
+            if method != "POST" or self.routes.is_ungated(path):
                 await self.app(scope, receive, send)
                 return
             await self._admitted_http(scope, receive, send)
@@ -193,7 +241,7 @@ class AdmissionMiddleware:
             elif message["type"] == "http.response.body":
                 body = message.get("body", b"")
                 if body and not response.ended_by_engine and (response.status or 0) < 400 \
-                        and ended_by_engine(body):
+                        and ended_by_engine(body, self.routes.ended_marks):
                     response.ended_by_engine = True
                 await send(message)
                 if not message.get("more_body", False):

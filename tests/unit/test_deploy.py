@@ -19,17 +19,25 @@ import yaml
 
 from quiesce.ops.cli import build_parser
 from quiesce.ops.operator_commands import DEFAULT_URL
+from quiesce.serve.server_options import (
+    SGLANG_ARGS_ENV,
+    VLLM_ARGS_ENV,
+    ServerOptions,
+    parse_server_options,
+)
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 MANIFEST = DEPLOY / "worker.yaml"
 DYNAMO_MANIFEST = DEPLOY / "dynamo-vllm-worker.yaml"
 VLLM_SERVE_MANIFEST = DEPLOY / "vllm-serve.yaml"
+SGLANG_SERVE_MANIFEST = DEPLOY / "sglang-serve.yaml"
 MANIFESTS = [MANIFEST, DYNAMO_MANIFEST]
 """The manifests whose worker is a ``quiesce`` command line."""
 
 
 def test_every_manifest_is_checked_here() -> None:
-    assert sorted(DEPLOY.glob("*.yaml")) == sorted([*MANIFESTS, VLLM_SERVE_MANIFEST])
+    assert sorted(DEPLOY.glob("*.yaml")) == sorted([*MANIFESTS, VLLM_SERVE_MANIFEST,
+                                                    SGLANG_SERVE_MANIFEST])
 
 
 def deployment(manifest: Path = MANIFEST) -> dict[str, Any]:
@@ -118,19 +126,18 @@ def test_the_pod_may_patch_its_own_deletion_cost() -> None:
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
 
 
-def test_vllm_serve_exits_before_sigkill_and_only_the_middleware_is_added() -> None:
-    from quiesce.serve.vllm_options import ARGS_ENV, parse_vllm_serve_options
-    from quiesce.serve.vllm_plugin import MIDDLEWARE, names_middleware
-
-    docs = [d for d in yaml.safe_load_all(VLLM_SERVE_MANIFEST.read_text()) if d]
+def check_server_pod(manifest: Path, env_name: str) -> tuple[list[str], ServerOptions]:
+    """The checks every engine-server manifest passes: exits before SIGKILL, the admin API
+    beyond loopback with a token and drained by the preStop hook, quiesce's readiness and
+    the engine's own liveness, the deletion cost with no more rights than patching pods.
+    Returns the container's command and quiesce's options as its plugin reads them."""
+    docs = [d for d in yaml.safe_load_all(manifest.read_text()) if d]
     by_kind = {d["kind"]: d for d in docs}
-    pod = deployment(VLLM_SERVE_MANIFEST)["spec"]["template"]["spec"]
+    pod = deployment(manifest)["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    command = container["command"]
-    assert command[:2] == ["vllm", "serve"] and names_middleware(command)
-    assert [w for w in command if "quiesce" in w] == [MIDDLEWARE]  # vLLM's command otherwise
+    command: list[str] = container["command"]
     env = {e["name"]: e for e in container["env"]}
-    options = parse_vllm_serve_options(env[ARGS_ENV]["value"])  # what the plugin reads
+    options = parse_server_options(env_name, env[env_name]["value"])  # what the plugin reads
     grace = float(pod["terminationGracePeriodSeconds"])
     prestop = parse(container["lifecycle"]["preStop"]["exec"]["command"])
     assert prestop.grace_period == grace
@@ -141,8 +148,9 @@ def test_vllm_serve_exits_before_sigkill_and_only_the_middleware_is_added() -> N
     assert "secretKeyRef" in env["QUIESCE_ADMIN_TOKEN"]["valueFrom"]
     assert urlsplit(prestop.url).port == options.admin_port
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["admin"] == options.admin_port and ports["http"] == int(command[4])
-    # readiness is quiesce's on vLLM's port; liveness stays vLLM's own
+    assert ports["admin"] == options.admin_port
+    assert ports["http"] == int(command[command.index("--port") + 1])
+    # readiness is quiesce's on the engine's port; liveness stays the engine's own
     assert container["readinessProbe"]["httpGet"] == {"path": "/quiesce/ready", "port": "http"}
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     # the deletion cost: the pod may patch pods and nothing more
@@ -151,3 +159,21 @@ def test_vllm_serve_exits_before_sigkill_and_only_the_middleware_is_added() -> N
     (rule,) = by_kind["Role"]["rules"]
     assert rule["resources"] == ["pods"] and rule["verbs"] == ["patch"]
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    return command, options
+
+
+def test_vllm_serve_exits_before_sigkill_and_only_the_middleware_is_added() -> None:
+    from quiesce.serve.vllm_plugin import MIDDLEWARE, names_middleware
+
+    command, _ = check_server_pod(VLLM_SERVE_MANIFEST, VLLM_ARGS_ENV)
+    assert command[:2] == ["vllm", "serve"] and names_middleware(command)
+    assert [w for w in command if "quiesce" in w] == [MIDDLEWARE]  # vLLM's command otherwise
+
+
+def test_sglang_serve_exits_before_sigkill_and_its_command_is_sglangs_own() -> None:
+    from quiesce.serve.sglang_plugin import layout_problem
+
+    command, _ = check_server_pod(SGLANG_SERVE_MANIFEST, SGLANG_ARGS_ENV)
+    assert command[:3] == ["python3", "-m", "sglang.launch_server"]
+    assert layout_problem(command[3:]) is None  # a layout quiesce serves
+    assert not [w for w in command if "quiesce" in w]  # SGLang's command, unchanged

@@ -1,4 +1,4 @@
-"""quiesce's settings for ``vllm serve`` and the plugin's claim (quiesce.serve.vllm_options,
+"""quiesce's settings for ``vllm serve`` and the plugin's claim (quiesce.serve.server_options,
 quiesce.serve.vllm_plugin), without vLLM: the plugin is called as vLLM calls it, in a
 fresh process whose command line names the middleware. The real ``vllm serve`` refusing
 a bad setting is tests/integration/vllm/test_vllm_serve.py."""
@@ -14,22 +14,24 @@ import pytest
 
 from quiesce.errors import ConfigError
 from quiesce.probe import Role
-from quiesce.serve.vllm_options import ARGS_ENV, parse_vllm_serve_options
+from quiesce.serve.server_options import VLLM_ARGS_ENV as ARGS_ENV
+from quiesce.serve.server_options import parse_server_options
 from quiesce.serve.vllm_plugin import MIDDLEWARE, names_middleware
+from quiesce.serve.vllm_serve import vllm_role
 
 
 def test_defaults_need_no_setting() -> None:
-    options = parse_vllm_serve_options("")
+    options = parse_server_options(ARGS_ENV, "")
     assert (options.admin_port, options.budget_s, options.router_grace_s) == (8001, 30.0, 2.0)
     assert options.shutdown_policy().cleanup_reserve_s == 5.0
 
 
 def test_settings_are_read_like_a_command_line() -> None:
-    options = parse_vllm_serve_options(
-        "--admin-port 0 --budget 12 --reserve 2 --router-grace 0.5 --role prefill "
+    options = parse_server_options(
+        ARGS_ENV, "--admin-port 0 --budget 12 --reserve 2 --router-grace 0.5 --role prefill "
         "--publish-deletion-cost --name 'vllm a'")
     assert options.shutdown_policy().total_s == 12 and options.reserve_s == 2
-    assert options.resolved_role("kv_consumer") is Role.PREFILL
+    assert options.resolved_role(Role.DECODE) is Role.PREFILL
     assert options.publish_deletion_cost and options.name == "vllm a"
 
 
@@ -38,7 +40,7 @@ def test_settings_are_read_like_a_command_line() -> None:
                                                ("kv_both", Role.AGGREGATED),
                                                (None, Role.AGGREGATED)])
 def test_the_role_follows_vllms_kv_role(kv_role: str | None, role: Role) -> None:
-    assert parse_vllm_serve_options("").resolved_role(kv_role) is role
+    assert parse_server_options(ARGS_ENV, "").resolved_role(vllm_role(kv_role)) is role
 
 
 @pytest.mark.parametrize(("text", "named"), [
@@ -49,12 +51,12 @@ def test_the_role_follows_vllms_kv_role(kv_role: str | None, role: Role) -> None
 ])
 def test_a_bad_setting_is_a_config_error_naming_it(text: str, named: str) -> None:
     with pytest.raises(ConfigError) as caught:
-        parse_vllm_serve_options(text)
+        parse_server_options(ARGS_ENV, text)
     assert caught.value.field == named
 
 
 def test_the_environment_variable_is_read_by_default() -> None:
-    options = parse_vllm_serve_options(environ={ARGS_ENV: "--budget 7"})
+    options = parse_server_options(ARGS_ENV, environ={ARGS_ENV: "--budget 7"})
     assert options.budget_s == 7
 
 

@@ -10,7 +10,9 @@ is read to its end, every event: a 200 with an error event inside is a lost requ
   exits 0 with quiesce's report ``drained``, nothing lost. The first also drains and
   resumes through the admin API first, and reads quiesce's metrics in vLLM's /metrics;
 - EngineCore killed mid-drain: the streams it cut are counted lost, the report is never
-  ``drained`` and the exit code is not 0;
+  ``drained`` and the exit code is not 0; killed with no signal at all (vLLM's watchdog
+  stops its server on its own): the same streams lost, the exit line ``server_stopped``
+  and exit code 5, where vLLM alone exits 0;
 - a bad quiesce setting: vLLM refuses to start, naming it, before the engine loads.
 
 The middleware's own refusal (no claim in its process) is tests/unit/test_vllm_serve_face.py.
@@ -138,17 +140,20 @@ async def test_every_delivery_under_streaming_load_drains_with_nothing_lost(
     assert isinstance(requests, dict) and requests["completed"] >= STREAMS
 
 
-async def test_engine_core_killed_mid_drain_is_lost_never_drained(tiny_model: Path) -> None:
+@pytest.mark.parametrize("signalled", [True, False], ids=["mid-drain", "no-signal"])
+async def test_engine_core_killed_is_lost_never_drained(tiny_model: Path,
+                                                        signalled: bool) -> None:
     with vllm_serve(tiny_model, "--kv-transfer-config", paced(STEP_S),
                     quiesce_args="--budget 12 --reserve 3 --router-grace 0.2") as worker:
         (engine_core,) = engine_core_pids(worker.process.pid)
 
-        def signal_then_kill_the_engine() -> None:
-            os.kill(worker.process.pid, signal.SIGTERM)
-            time.sleep(0.5)  # the drain is waiting on the streams
+        def kill_the_engine() -> None:
+            if signalled:
+                os.kill(worker.process.pid, signal.SIGTERM)
+                time.sleep(0.5)  # the drain is waiting on the streams
             os.kill(engine_core, signal.SIGKILL)
 
-        streams = await load_then(worker, signal_then_kill_the_engine, tokens=400)
+        streams = await load_then(worker, kill_the_engine, tokens=400)
         code, report = worker.finish(EXIT_S)
     cut = [s for s in streams if not s.complete]
     assert cut, "every stream completed although its engine was killed"
@@ -156,6 +161,9 @@ async def test_engine_core_killed_mid_drain_is_lost_never_drained(tiny_model: Pa
     assert code not in (0, None), worker.lines[-30:]
     assert report is not None and report["drained"] is False
     assert isinstance(report["lost_requests"], int) and report["lost_requests"] >= len(cut)
+    if not signalled:  # vLLM's watchdog stopped its server: vLLM's own path exits 0
+        assert report["outcome"] == "server_stopped", report
+        assert code == 5, worker.lines[-30:]
 
 
 def test_a_bad_setting_refuses_the_start_naming_it(tiny_model: Path) -> None:

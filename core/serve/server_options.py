@@ -1,12 +1,13 @@
-"""quiesce's settings for ``vllm serve``: one environment variable, checked before the engine.
+"""quiesce's settings inside an engine's own server: one environment variable, checked
+before the engine starts.
 
-``QUIESCE_VLLM_ARGS`` holds quiesce's options as a command line (shell-quoted), for
-example ``--admin-port 8001 --budget 60 --router-grace 5``; every option has a default,
-so the variable may be unset. :func:`parse_vllm_serve_options` is called by quiesce's
-vLLM plugin while vLLM builds its argument parser, before the engine starts: a bad
-setting raises :class:`~quiesce.errors.ConfigError` naming it, and ``vllm serve`` refuses
-to start. Standard library and the library's mechanisms only (the plugin loads this in
-vLLM's API server process before anything else).
+``QUIESCE_VLLM_ARGS`` (``vllm serve``) or ``QUIESCE_SGLANG_ARGS`` (SGLang's
+``launch_server``) holds quiesce's options as a command line (shell-quoted), for example
+``--admin-port 8001 --budget 60 --router-grace 5``; every option has a default.
+:func:`parse_server_options` is called by quiesce's plugin in the server's main process
+before the engine starts: a bad setting raises :class:`~quiesce.errors.ConfigError` naming
+it, and the server refuses to start. Standard library and the library's mechanisms only
+(the plugins load this before anything else).
 """
 
 from __future__ import annotations
@@ -22,28 +23,30 @@ from quiesce.errors import ConfigError
 from quiesce.probe import Role
 from quiesce.shutdown import ShutdownPolicy
 
-ARGS_ENV = "QUIESCE_VLLM_ARGS"
+VLLM_ARGS_ENV = "QUIESCE_VLLM_ARGS"
+SGLANG_ARGS_ENV = "QUIESCE_SGLANG_ARGS"
 ROLES = ("auto", *(role.value for role in Role))
 _OPTION_OF = {"total_s": "--budget", "cleanup_reserve_s": "--reserve",
               "router_grace_s": "--router-grace", "router_quiet_s": "--router-quiet"}
 
 
 @dataclasses.dataclass(frozen=True)
-class VllmServeOptions:
-    """What quiesce adds to ``vllm serve``; invalid values raise ConfigError naming them."""
+class ServerOptions:
+    """What quiesce adds to an engine's server; invalid values raise ConfigError naming
+    them."""
 
     admin_host: str = "127.0.0.1"
     admin_port: int = 8001
     admin_token_file: str | None = None
     budget_s: float = 30.0
     reserve_s: float | None = None
-    """Kept back for abort and vLLM's engine shutdown; None: a fifth of the budget, at
+    """Kept back for abort and the engine's shutdown; None: a fifth of the budget, at
     most 5 s."""
     router_grace_s: float = 2.0
     router_quiet_s: float = 0.0
     role: str = "auto"
-    """``auto``: from vLLM's ``--kv-transfer-config`` (``kv_producer`` → prefill,
-    ``kv_consumer`` → decode, else aggregated)."""
+    """``auto``: the role the engine's own settings give (vLLM's ``--kv-transfer-config``,
+    SGLang's ``--disaggregation-mode``)."""
     publish_deletion_cost: bool = False
     name: str = "vllm-serve"
 
@@ -69,22 +72,23 @@ class VllmServeOptions:
     def drain_config(self) -> DrainConfig:
         return DrainConfig(router_grace_s=self.router_grace_s, router_quiet_s=self.router_quiet_s)
 
-    def resolved_role(self, kv_role: str | None) -> Role:
-        """The worker's role: ``--role``, or from vLLM's KV transfer role."""
-        if self.role != "auto":
-            return Role.parse(self.role)
-        return {"kv_producer": Role.PREFILL, "kv_consumer": Role.DECODE}.get(
-            kv_role or "", Role.AGGREGATED)
+    def resolved_role(self, engine_role: Role) -> Role:
+        """The worker's role: ``--role``, or the one the engine's settings give."""
+        return engine_role if self.role == "auto" else Role.parse(self.role)
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, env: str) -> None:
+        super().__init__(prog=f"${env}", add_help=False, allow_abbrev=False)
+        self.env = env
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ConfigError(ARGS_ENV, message)
+        raise ConfigError(self.env, message)
 
 
-def _parser() -> argparse.ArgumentParser:
-    d = VllmServeOptions()
-    parser = _Parser(prog=f"${ARGS_ENV}", add_help=False, allow_abbrev=False)
+def _parser(env: str, name: str) -> argparse.ArgumentParser:
+    d = ServerOptions()
+    parser = _Parser(env)
     parser.add_argument("--admin-host", default=d.admin_host)
     parser.add_argument("--admin-port", type=int, default=d.admin_port)
     parser.add_argument("--admin-token-file", default=None)
@@ -94,22 +98,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-quiet", type=float, default=d.router_quiet_s)
     parser.add_argument("--role", default=d.role)
     parser.add_argument("--publish-deletion-cost", action="store_true")
-    parser.add_argument("--name", default=d.name)
+    parser.add_argument("--name", default=name)
     return parser
 
 
-def parse_vllm_serve_options(text: str | None = None,
-                             environ: Mapping[str, str] | None = None) -> VllmServeOptions:
-    """The options in ``text`` (default: ``$QUIESCE_VLLM_ARGS``); ConfigError naming the
-    bad one (an unknown option, a value that is not a number, a budget out of range)."""
+def parse_server_options(env: str = VLLM_ARGS_ENV, text: str | None = None,
+                         environ: Mapping[str, str] | None = None, *,
+                         name: str = "vllm-serve") -> ServerOptions:
+    """The options in ``text`` (default: the variable ``env``; ``name``: the worker's
+    default name); ConfigError naming the bad one (an unknown option, a value that is not
+    a number, a budget out of range)."""
     if text is None:
-        text = (environ if environ is not None else os.environ).get(ARGS_ENV, "")
+        text = (environ if environ is not None else os.environ).get(env, "")
     try:
         argv: Sequence[str] = shlex.split(text)
     except ValueError as exc:
-        raise ConfigError(ARGS_ENV, f"cannot split {text!r}: {exc}") from None
-    args = _parser().parse_args(argv)
-    return VllmServeOptions(
+        raise ConfigError(env, f"cannot split {text!r}: {exc}") from None
+    args = _parser(env, name).parse_args(argv)
+    return ServerOptions(
         admin_host=args.admin_host, admin_port=args.admin_port,
         admin_token_file=args.admin_token_file, budget_s=args.budget, reserve_s=args.reserve,
         router_grace_s=args.router_grace, router_quiet_s=args.router_quiet, role=args.role,
