@@ -37,8 +37,11 @@ VLLM_031_DESELECT := \
 	--deselect "tests/integration/vllm/test_vllm_signals.py::test_signal_under_streaming_load_loses_nothing[group]"
 # Dynamo's dynamo.vllm: Ctrl-C to the group runs on vLLM's own server and quiesce serve
 # (above); SIGTERM to the group, to every process and the kubelet's sequence run here.
+# Dynamo as shipped losing streams at its grace is test_vllm_worker.py's; the replay's
+# as-shipped arm (aiperf, two workers) is `make bench`'s (bench/results/dynamo_replay.json).
 DYNAMO_DESELECT := --deselect \
-	"tests/integration/dynamo/test_vllm_worker.py::test_quiesce_completes_every_stream_and_exits_drained[sigint-group]"
+	"tests/integration/dynamo/test_vllm_worker.py::test_quiesce_completes_every_stream_and_exits_drained[sigint-group]" \
+	--deselect tests/integration/dynamo/test_replay.py::test_dynamo_as_shipped_loses_the_victims_streams
 # NVIDIA's aiperf load generator (the field-report replay) pins pydantic 2.14 and pandas:
 # its own environment, plus an offline tokenizer under .cache/aiperf-hf.
 AIPERF_VENV := .venv-aiperf
@@ -84,7 +87,8 @@ ENV_JOBS ?= 4
 # Each tier's slowest tests, listed at its end: where CI's time goes.
 SLOWEST := --durations=8 --durations-min=20
 envs:
-	@$(MAKE) --no-print-directory --jobs=$(ENV_JOBS) --output-sync=line $(ENVS)
+	@start=$$(date +%s); $(MAKE) --no-print-directory --jobs=$(ENV_JOBS) --output-sync=line \
+		$(ENVS) && echo "make envs: every environment ready in $$(( $$(date +%s) - start ))s"
 
 # A real etcd server (Debian's etcd-server) for the etcd discovery tests, which start
 # their own on loopback with a temporary data directory.

@@ -145,16 +145,24 @@ while time.monotonic() < stop_at:
 """
 
 
-async def test_a_busy_h200_reads_busy(gpu: GpuDevice, engine_process: StartEngine,
-                                      tmp_path: Path, record_property: RecordProperty) -> None:
+async def start_load(gpu: GpuDevice, engine_process: StartEngine, tmp_path: Path,
+                     seconds: float) -> Any:
+    """:data:`LOAD` on ``gpu`` for ``seconds`` (stopped at the test's end if still
+    running), once NVML's utilisation sample can see its kernels; skips without torch."""
     if importlib.util.find_spec("torch") is None:
         pytest.skip("the GPU load needs torch with CUDA, not installed here")
     script = tmp_path / "load.py"
     script.write_text(LOAD)
-    load = engine_process("gpu-load", [sys.executable, str(script), "120"],
+    load = engine_process("gpu-load", [sys.executable, str(script), str(seconds)],
                           env={"CUDA_VISIBLE_DEVICES": gpu.uuid})
     load.wait_until(lambda: "ready" in load.tail(), 120, "the load's ready line")
     await asyncio.sleep(1.0)  # let NVML's utilisation sample period see the kernels
+    return load
+
+
+async def test_a_busy_h200_reads_busy(gpu: GpuDevice, engine_process: StartEngine,
+                                      tmp_path: Path, record_property: RecordProperty) -> None:
+    await start_load(gpu, engine_process, tmp_path, 120)
     probe = GpuQuietProbe(IdleEngine(), (gpu.index,),
                           thresholds=GpuQuietThresholds(nvlink_mb_s=None))
     try:
@@ -174,14 +182,7 @@ async def test_a_drain_waits_until_the_gpu_load_has_ended(
         gpu: GpuDevice, engine_process: StartEngine, tmp_path: Path,
         record_property: RecordProperty) -> None:
     """The engine side says quiet from the start; only the GPU's activity holds the drain."""
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("the GPU load needs torch with CUDA, not installed here")
-    script = tmp_path / "load.py"
-    script.write_text(LOAD)
-    load = engine_process("gpu-load", [sys.executable, str(script), "8"],
-                          env={"CUDA_VISIBLE_DEVICES": gpu.uuid})
-    load.wait_until(lambda: "ready" in load.tail(), 120, "the load's ready line")
-    await asyncio.sleep(1.0)  # let NVML's utilisation sample period see the kernels
+    load = await start_load(gpu, engine_process, tmp_path, 8)
     probe = GpuQuietProbe(IdleEngine(), (gpu.index,),
                           thresholds=GpuQuietThresholds(nvlink_mb_s=None))
     busy: list[PendingWork] = []

