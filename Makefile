@@ -50,7 +50,7 @@ AIPERF_VENV := .venv-aiperf
 # reinstall; the list of source files is part of the install stamp.
 SOURCES := $(sort $(wildcard core/*.py core/*/*.py adapters/*.py adapters/*/*.py))
 
-.PHONY: all demo envs test lint typecheck unit integration test-vllm test-sglang test-dynamo etcd \
+.PHONY: all demo envs checked-envs test lint typecheck unit integration test-vllm test-sglang test-dynamo etcd \
 	bench clean FORCE
 all: test
 
@@ -81,14 +81,20 @@ $(AIPERF_VENV)/.installed: ci/setup_aiperf.sh ci/aiperf_tokenizer.py
 # Every environment `make test` and `make bench` need. They are independent of each other:
 # `envs` builds them side by side (their downloads and unpacking overlap; ENV_JOBS at a
 # time, each line of output prefixed by its script), then the tests run one tier at a time.
+# `make test` runs the lint and the type check beside them too, once quiesce's own
+# environment is there (mypy is CPU-bound, the installs mostly wait on disk and network).
 ENVS := etcd $(VENV)/.installed $(VLLM_VENV)/.installed $(SGLANG_VENV)/.installed \
 	$(DYNAMO_VENV)/.installed-dynamo $(AIPERF_VENV)/.installed
-ENV_JOBS ?= 4
+ENV_JOBS ?= 5
 # Each tier's slowest tests, listed at its end: where CI's time goes.
 SLOWEST := --durations=8 --durations-min=20
+SIDE_BY_SIDE = @start=$$(date +%s); $(MAKE) --no-print-directory --jobs=$(ENV_JOBS) \
+	--output-sync=line $(1) && echo "make $@: $(2) in $$(( $$(date +%s) - start ))s"
 envs:
-	@start=$$(date +%s); $(MAKE) --no-print-directory --jobs=$(ENV_JOBS) --output-sync=line \
-		$(ENVS) && echo "make envs: every environment ready in $$(( $$(date +%s) - start ))s"
+	$(call SIDE_BY_SIDE,$(ENVS),every environment ready)
+checked-envs:
+	$(call SIDE_BY_SIDE,etcd $(VENV)/.installed lint typecheck $(filter-out etcd \
+		$(VENV)/.installed,$(ENVS)),every environment ready; lint and types checked)
 
 # A real etcd server (Debian's etcd-server) for the etcd discovery tests, which start
 # their own on loopback with a temporary data directory.
@@ -123,7 +129,7 @@ test-dynamo: $(DYNAMO_VENV)/.installed-dynamo
 		$(DYNAMO_DESELECT)
 	$(DYNAMO_BIN)/pytest $(VLLM_031_TESTS) $(VLLM_031_DESELECT)
 
-test: envs lint typecheck
+test: checked-envs
 	QUIESCE_REQUIRE_REAL_PARTS=1 $(BIN)/pytest $(SLOWEST) --ignore=tests/integration/vllm \
 		--ignore=tests/integration/sglang --ignore=tests/integration/dynamo
 	@# the engine tiers skip without their engine: make sure each one imports first
