@@ -61,7 +61,7 @@ $(VENV)/.sources: FORCE
 $(VENV)/.installed: pyproject.toml $(VENV)/.sources
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "quiesce needs Python >= 3.10"'
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-compile \
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check \
 		--config-settings editable_mode=strict -e '.[dev]'
 	@touch $@
 

@@ -3,15 +3,10 @@
 
 # pip's machine config adds local file indexes that hold only some projects; pip warns
 # once per project it does not find there. Drop that noise, keep every other message.
-# Installs skip byte-compiling: of the engines' tens of thousands of modules the tests
-# import a few thousand, compiled once on first import (saves CPU while the environments
-# build side by side, see the Makefile's `envs`).
+# Installs byte-compile (pip's default): these machines set PYTHONDONTWRITEBYTECODE, so a
+# module left uncompiled would be compiled again by every process that imports it.
 pip_() {
-    local args=("$@")
-    if [[ ${1:-} == install ]]; then
-        args=(install --no-compile "${@:2}")
-    fi
-    "$PY" -m pip --disable-pip-version-check "${args[@]}" \
+    "$PY" -m pip --disable-pip-version-check "$@" \
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 }
 
