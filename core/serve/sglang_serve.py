@@ -33,8 +33,9 @@ Two pieces, both in the server's main process:
   ``should_exit`` stops it: what SGLang's own shutdown does through its stop hook).
 
 Refusals (the startup fails, uvicorn exits 3, nothing is served): no claim in this process,
-no ``TokenizerManager``, several tokenizer workers, no uvicorn ``Server`` owning SIGTERM,
-or a role that cannot be read.
+no ``TokenizerManager``, several tokenizer workers, a ``TokenizerManager`` without the
+``signal_handler_class`` that keeps SGLang's own SIGTERM drain out, no uvicorn ``Server``
+owning SIGTERM, or a role that cannot be read.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class SglangHost:
         if not getattr(app, "is_single_tokenizer_mode", False):
             raise ConfigError("launch_server", "several tokenizer workers "
                               "(--tokenizer-worker-num > 1): run one")
+        if not isinstance(getattr(manager, "signal_handler_class", None), type):
+            raise ConfigError("launch_server", "SGLang's TokenizerManager has no "
+                              "signal_handler_class: its own SIGTERM drain cannot be kept out "
+                              "on this version")
         self.http_server = uvicorn_server()
         mode = getattr(getattr(manager, "disaggregation_mode", None), "value", None)
         if options.role == "auto" and mode not in _ROLES:

@@ -133,7 +133,7 @@ async def test_sglang_server_drains_every_stream_on_each_delivery(
         def signal_then_probe() -> None:
             wait_until_scheduled(worker.status, STREAMS)
             signalled = deliver(worker.process.pid, how)
-            assert len(signalled) >= 3, signalled
+            assert len(signalled) >= (1 if how == "main" else 3), signalled
             assert ready_status(worker) == 503
             refusals.append(refused_while_draining(worker))
 
